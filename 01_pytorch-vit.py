@@ -40,7 +40,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
             ### LOGGING
             run.step(epoch, batch_idx, loss, len(targets))  # stops on a NaN loss; times the step
             if not batch_idx % 300:
-                print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
+                run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
 
             model.eval()
             with torch.no_grad():
@@ -51,7 +51,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
+        run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
         run.end_epoch(epoch, model, optimizer, val_acc, train_time_s=time.time() - start)
     return time.time() - start
 

@@ -19,7 +19,7 @@ from local_utilities import (
 )
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, fabric):  # instead of (..., device, run)
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
     start = time.time()
     for epoch in run.epochs():
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
@@ -41,7 +41,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, f
             ### LOGGING
             run.step(epoch, batch_idx, loss, len(targets))  # stops on a NaN loss; times the step
             if not batch_idx % 300:
-                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # instead of print: rank 0 only
+                run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
 
             model.eval()
             with torch.no_grad():
@@ -52,7 +52,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, f
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # instead of print
+        run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
         run.end_epoch(epoch, model, optimizer, val_acc, train_time_s=time.time() - start)
     return time.time() - start
 
@@ -65,7 +65,7 @@ if __name__ == "__main__":
     )
     fabric.launch()  # new: starts the other processes, if any
     device = fabric.device  # instead of torch.device(args.accelerator)
-    print(watermark(packages="torch,torchvision,lightning", python=True))
+    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # instead of print: once per machine
     torch.manual_seed(args.seed)
 
     ##########################
@@ -92,7 +92,7 @@ if __name__ == "__main__":
     #########################################
     run = Run(args, fabric)  # instead of Run(args): checkpoints with fabric.save
     run.resume(model, optimizer, train_loader)
-    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run, fabric)  # instead of (..., device, run)
+    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run)
 
     #########################################
     ### 4 Evaluation

@@ -392,6 +392,7 @@ class Run:
 
     # -- printing ------------------------------------------------------------------------
     def print(self, *a, **k):
+        """print, on global rank 0 only (fabric.print prints once per machine)."""
         if self.rank == 0:
             print(*a, **k, flush=True)
 
@@ -491,7 +492,8 @@ class Run:
 
     def resume(self, model, optimizer, train_loader):
         """With --resume: restore model, optimizer, random states and figures; else nothing."""
-        self.model = model
+        # counted now, as set up: FSDP2 keeps the root's parameters whole after a forward pass
+        self.held_parameters = count_local_parameters(model)
         if not self.args.resume:
             return
         try:
@@ -578,7 +580,7 @@ class Run:
         if self.fabric and self.world_size > 1:
             memory = float(self.fabric.all_reduce(torch.tensor(memory), reduce_op="max"))
         total_time = self.earlier_train_time + train_time_s
-        held = torch.tensor([count_local_parameters(self.model)])
+        held = torch.tensor([self.held_parameters])
         if self.fabric and self.world_size > 1:
             held = self.fabric.all_gather(held).flatten()
         measured = not args.synthetic

@@ -1,0 +1,143 @@
+"""Shared helpers: run the real scripts as subprocesses, offline, in a scratch directory."""
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "03_fabric-vit.py",
+           "04_fabric-vit-mixed-precision.py", "06_fabric-vit-mixed-fsdp.py"]
+# 06 runs its smoke test as 2 CPU processes (its default of 4 is for GPUs).
+SMOKE_FLAGS = {"06_fabric-vit-mixed-fsdp.py": ["--devices", "2"]}
+# Nothing in the tests may reach the network: every download goes to a closed local port.
+OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+           "no_proxy": "", "NO_PROXY": ""}
+
+
+def script_env(tmp, **extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"), **OFFLINE)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.update(extra)
+    return env
+
+
+def run_script(script, *flags, cwd, timeout=240, env=None, python=(sys.executable,)):
+    """Run a numbered script from the project in `cwd`; results, data and checkpoints land
+    there (relative defaults)."""
+    cmd = [*python, str(ROOT / script), *flags]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=cwd, env=env or script_env(Path(cwd)), capture_output=True,
+                          text=True, timeout=timeout)
+    proc.wall_s = time.monotonic() - start
+    return proc
+
+
+def start_script(script, *flags, cwd, env=None):
+    """Start a script in its own process group (so a test can kill it and all it started)."""
+    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], cwd=cwd,
+                            env=env or script_env(Path(cwd)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def kill_group(proc, sig=signal.SIGKILL):
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        return proc.communicate(timeout=60)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0]
+
+
+def wait_for(path, proc, timeout=180):
+    """Wait until `path` exists (or the process ends, or time runs out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if Path(path).exists():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def read_records(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
+    """A small CIFAR-10 in its real on-disk format: cifar-10-batches-py with five pickled
+    training batches, a test batch and batches.meta (uint8 rows of 3x32x32, labels 0-9)."""
+    rng = np.random.RandomState(seed)
+    folder = Path(root) / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    batches = {}
+    for name, n in [*[(f"data_batch_{i}", per_batch) for i in range(1, 6)],
+                    ("test_batch", num_test)]:
+        batch = {"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
+                 "labels": [int(v) for v in rng.randint(0, 10, size=n)],
+                 "batch_label": name}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+        batches[name] = batch
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog",
+                                     "frog", "horse", "ship", "truck"]}, f)
+    return batches
+
+
+# A fake CIFAR-10 cannot match torchvision's md5 checksums: subprocesses that read one get
+# this sitecustomize, which replaces only the checksum test by "the file exists".
+SKIP_CIFAR_CHECKSUM = """
+import os
+import torchvision.datasets.cifar as cifar
+cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)
+"""
+
+
+def skip_cifar_checksum_env(tmp):
+    site = Path(tmp) / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SKIP_CIFAR_CHECKSUM)
+    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.fixture(scope="session")
+def smoke_runs(tmp_path_factory):
+    """Each numbered script's --smoke run, once per test session: {script: result}, where a
+    result has .proc (the finished process), .record (its run record) and .dir."""
+    runs = {}
+
+    class Result:
+        pass
+
+    def get(script):
+        if script not in runs:
+            cwd = tmp_path_factory.mktemp(Path(script).stem)
+            proc = run_script(script, "--smoke", *SMOKE_FLAGS.get(script, []), cwd=cwd)
+            result = Result()
+            result.proc, result.dir = proc, cwd
+            records = cwd / "results" / "runs.jsonl"
+            result.record = read_records(records)[-1] if records.exists() else None
+            runs[script] = result
+        return runs[script]
+    return get
