@@ -93,7 +93,9 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
     batches = {}
     for name, n in [*[(f"data_batch_{i}", per_batch) for i in range(1, 6)],
                     ("test_batch", num_test)]:
-        batch = {"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
+        # each image one flat colour, which a resize keeps, so images can be told apart after it
+        colours = rng.randint(0, 256, size=(n, 3, 1), dtype=np.uint8)
+        batch = {"data": np.repeat(colours, 1024, axis=2).reshape(n, 3072),
                  "labels": [int(v) for v in rng.randint(0, 10, size=n)],
                  "batch_label": name}
         with open(folder / name, "wb") as f:

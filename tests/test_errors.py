@@ -1,0 +1,96 @@
+"""Bad input and hostile machines: one clear line, exit 2, no traceback, records untouched."""
+import signal
+import sys
+
+import pytest
+
+import local_utilities as lu
+from conftest import run_script
+
+
+@pytest.fixture
+def argv(monkeypatch):
+    """Call the real parse_args as if a script were run with these flags."""
+    handler = signal.getsignal(signal.SIGINT)
+
+    def parse(*flags, script="01_pytorch-vit.py", epochs=3, devices=None):
+        monkeypatch.setattr(sys, "argv", [script, *flags])
+        return lu.parse_args(epochs=epochs, devices=devices)
+    yield parse
+    signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["--num-workers", "-1"], "argument --num-workers: must be 0 or more, got -1"),
+    (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu'"),
+])
+def test_bad_flag_values(argv, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_info:
+        argv("--smoke", *flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and message in err
+
+
+def test_results_path_that_cannot_be_written(argv, capsys, tmp_path):
+    (tmp_path / "a-directory").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        argv("--smoke", "--results", str(tmp_path / "a-directory"))
+    assert exit_info.value.code == 2
+    assert "--results" in capsys.readouterr().err
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit):
+        argv("--smoke", "--results", str(blocker / "runs.jsonl"))
+    assert blocker.read_text() == "x"
+
+
+def test_no_gpu_without_smoke(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        argv()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "about a day" in err and "--smoke" in err and "--accelerator cpu" in err
+
+
+def test_accelerator_cpu_insists(argv):
+    args = argv("--accelerator", "cpu")
+    assert (args.accelerator, args.smoke, args.epochs, args.batch_size) == ("cpu", False, 3, 16)
+
+
+def test_defaults_reproduce_the_talk(argv):
+    args = argv("--accelerator", "cpu", script="06_fabric-vit-mixed-fsdp.py", devices=4)
+    assert (args.epochs, args.batch_size, args.num_workers, args.seed, args.devices,
+            args.num_nodes, args.data_dir, args.results) == \
+        (3, 16, 4, 123, 4, 1, "data", "results/runs.jsonl")
+
+
+def test_smoke_keeps_the_global_batch(argv):
+    args = argv("--smoke", "--devices", "2", script="06_fabric-vit-mixed-fsdp.py", devices=4)
+    assert (args.batch_size, args.epochs, args.accelerator) == (8, lu.SMOKE_EPOCHS, "cpu")
+    assert args.checkpoint_dir.endswith("06_fabric-vit-mixed-fsdp-smoke")
+
+
+@pytest.fixture
+def earlier_records(tmp_path):
+    path = tmp_path / "results" / "runs.jsonl"
+    path.parent.mkdir()
+    path.write_text('{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n')
+    return path
+
+
+@pytest.mark.parametrize("script, flags, words", [
+    ("01_pytorch-vit.py", [], ["no CUDA GPU", "about a day"]),
+    ("06_fabric-vit-mixed-fsdp.py", ["--accelerator", "cuda"], ["4 GPU", "has 0"]),
+    ("03_fabric-vit.py", ["--smoke", "--batch-size", "0"], ["--batch-size"]),
+])
+def test_scripts_fail_cleanly(tmp_path, earlier_records, script, flags, words):
+    before = earlier_records.read_bytes()
+    proc = run_script(script, *flags, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and all(w in error_lines[0] for w in words), proc.stderr
+    assert earlier_records.read_bytes() == before
