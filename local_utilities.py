@@ -50,6 +50,9 @@ CUDA_BF16_FALLBACK = "16-mixed"
 # Errors: one line on stderr and exit 2 (bad input or machine), never a traceback.
 # --------------------------------------------------------------------------------------------
 def fail(message, code=2):
+    message = " ".join(str(message).split())  # always one line
+    if len(message) > 600:
+        message = message[:600] + " ..."
     print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(code)
 
@@ -452,8 +455,9 @@ class Run:
             torch.cuda.synchronize()
 
     def _rng_states(self):
-        states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                  "python": random.getstate()}
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        states = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                  "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}  # plain, for weights_only
         if torch.cuda.is_available():
             states["cuda"] = torch.cuda.get_rng_state_all()
         return states
@@ -517,14 +521,16 @@ class Run:
                          "rng": {}}
                 self.fabric.load(path, state)
             else:
-                state = torch.load(path, map_location="cpu", weights_only=False)
+                state = torch.load(path, map_location="cpu", weights_only=True)
                 model.load_state_dict(state["model"])
                 optimizer.load_state_dict(state["optimizer"])
         except Exception as err:  # a truncated or foreign file fails in many ways
-            fail(f"--resume: cannot load {path} ({type(err).__name__}: {err}).")
+            first_line = (str(err).strip().splitlines() or [""])[0]
+            fail(f"--resume: cannot load {path} ({type(err).__name__}: {first_line})")
         progress, rng = state["progress"], state["rng"]
         torch.set_rng_state(rng["torch"])
-        np.random.set_state(rng["numpy"])
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         random.setstate(rng["python"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
