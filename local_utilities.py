@@ -426,6 +426,8 @@ class Run:
         if self._steps_this_session > WARMUP_STEPS:  # warm-up steps are not timed
             self.images += batch_size
             self.step_seconds += now - self._last_tick
+        elif self._steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
+            torch.cuda.reset_peak_memory_stats()  # the peak of the steady state, not of start-up
         self._last_tick = now
 
     @property
