@@ -19,7 +19,7 @@ from local_utilities import (
 )
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, fabric):  # instead of (..., run)
     start = time.time()
     for epoch in run.epochs():
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
@@ -92,7 +92,7 @@ if __name__ == "__main__":
     #########################################
     run = Run(args, fabric)  # instead of Run(args): checkpoints with fabric.save
     run.resume(model, optimizer, train_loader)
-    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run)
+    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run, fabric)  # instead of (..., run)
 
     #########################################
     ### 4 Evaluation

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -98,7 +99,8 @@ def read_log(path, known):
     except OSError as err:
         fail(f"cannot read {path}: {err.strerror or err}")
     records = []
-    sections = re.split(r"^#+\s*(\d\d_[\w.-]+\.py)\s*$", text, flags=re.M)
+    # headings as the talk's logs.md writes them: "# 00_pytorch-vit-random-init.py (finetuning ...)"
+    sections = re.split(r"^#+\s*(\d\d_[\w.-]+\.py)\b.*$", text, flags=re.M)
     for script, body in zip(sections[1::2], sections[2::2]):
         if script not in known:
             warn(f"{path}: unknown script {script!r}, skipped")
@@ -175,7 +177,8 @@ def draw(latest, reference, kind, output):
     import matplotlib.pyplot as plt
 
     scripts = sorted(latest)
-    labels = [s.split("_")[0] + "\n" + reference[s]["technique"] for s in scripts]
+    labels = [s.split("_")[0] + "\n" + textwrap.fill(reference[s]["technique"], 16)
+              for s in scripts]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=100)
     width = 0.38
     for ax, (title, key, talk_key, convert, fmt) in zip(axes.flat, CHARTS):
@@ -205,6 +208,9 @@ def draw(latest, reference, kind, output):
     headline = f"Ours: {kind} runs on {hardware(latest)}"
     if kind != "full":
         headline += f" -- {kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
+    if kind == "smoke":
+        headline += ("\n(smoke: a 3-layer ViT from random init on 8x8 digits in every script; "
+                     "memory on a CPU is the peak resident memory of the process)")
     fig.suptitle(headline + "\nTalk (hatched): its published runs on its GPUs "
                  "(1 GPU; 4 GPUs for 05-07)", fontsize=10)
     handles, names = axes.flat[0].get_legend_handles_labels()

@@ -50,15 +50,39 @@ def start_script(script, *flags, cwd, env=None):
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+def descendants(pid):
+    """Every process below `pid`, found through /proc (torchrun starts its workers in sessions of
+    their own, so killing a process group is not enough)."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def kill_group(proc, sig=signal.SIGKILL):
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    """Send `sig` to a started script and everything it started; return its output."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     try:
         return proc.communicate(timeout=60)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return proc.communicate()[0]
 
 

@@ -2,11 +2,8 @@
 import argparse
 import subprocess
 import sys
-import time
 
-import pytest
-
-from conftest import ROOT, free_port, read_records, script_env
+from conftest import ROOT, free_port, kill_group, read_records, script_env
 
 
 def test_fabric_equals_plain_pytorch(smoke_runs):
@@ -45,34 +42,50 @@ def test_single_process_holds_the_whole_model(smoke_runs):
         [smoke_model_parameters()]
 
 
-def test_two_nodes_with_torchrun_on_one_machine(tmp_path):
+def launch_two_nodes(cwd, *flags):
     """06 --smoke as two 'nodes' of one CPU process each, rendezvous on 127.0.0.1."""
     port = free_port()
-    results = tmp_path / "runs.jsonl"
-    procs = []
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node_rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), str(ROOT / "06_fabric-vit-mixed-fsdp.py"), "--smoke", "--devices", "1",
+         "--num-nodes", "2", *flags],
+        cwd=cwd, env=script_env(cwd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True) for node_rank in (0, 1)]
+
+
+def test_two_nodes_with_torchrun_on_one_machine(tmp_path):
+    """torchrun on two 'nodes' of this machine: exactly one record, world size 2, that learned,
+    and only global rank 0 printed the epoch lines (fabric.print would print on both nodes)."""
+    results = tmp_path / "results" / "runs.jsonl"
+    nodes = launch_two_nodes(tmp_path)
     try:
-        for node_rank in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                   "--node-rank", str(node_rank), "--nproc-per-node", "1",
-                   "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   str(ROOT / "06_fabric-vit-mixed-fsdp.py"), "--smoke", "--devices", "1",
-                   "--num-nodes", "2", "--results", str(results)]
-            procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=script_env(tmp_path),
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, start_new_session=True))
-        outputs = [p.communicate(timeout=240)[0] for p in procs]
+        outputs = [node.communicate(timeout=240)[0] for node in nodes]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                import os
-                import signal
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+        for node in nodes:
+            kill_group(node)
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
     records = read_records(results)
-    assert len(records) == 1  # only global rank 0 writes
+    assert len(records) == 1
     record = records[0]
     assert (record["world_size"], record["num_nodes"], record["devices"]) == (2, 2, 1)
-    assert record["test_acc"] >= 0.85
-    # only global rank 0 prints the epoch lines
+    assert record["test_acc"] >= 0.85 and record["strategy"] == "fsdp2-per-block"
     assert sum(o.count("Train acc.:") for o in outputs) == record["epochs"]
+
+
+def test_bf16_falls_back_to_16_mixed_on_a_gpu_without_bf16(monkeypatch, capsys):
+    """The decision and its one line; only the GPU's answers are stood in for (no GPU here)."""
+    import torch
+    from local_utilities import supported_precision
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    cuda = argparse.Namespace(accelerator="cuda")
+    assert supported_precision("bf16-mixed", cuda) == "16-mixed"
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["This GPU (Tesla V100-SXM2-16GB) has no bfloat16: running 16-mixed instead "
+                   "of bf16-mixed."]
+    assert supported_precision("32-true", cuda) == "32-true"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert supported_precision("bf16-mixed", cuda) == "bf16-mixed"
+    assert supported_precision("bf16-mixed", argparse.Namespace(accelerator="cpu")) == "bf16-mixed"
+    assert capsys.readouterr().out == ""

@@ -85,9 +85,9 @@ def test_full_runs_are_preferred_and_the_latest_wins(smoke_records, tmp_path):
 
 def test_talk_format_log(tmp_path):
     log = tmp_path / "logs.md"
-    log.write_text("# 01_pytorch-vit.py\n\nEpoch: 0003/0003 | Train acc.: 97.11% | Val acc.: "
+    log.write_text("# 01_pytorch-vit.py (finetuning pretrained)\n\n```\nEpoch: 0003/0003 | Train acc.: 97.11% | Val acc.: "
                    "95.02%\nTime elapsed 18.70 min\nMemory used: 3.71 GB\nTest accuracy 95.37%\n"
-                   "\n# 04_fabric-vit-mixed-precision.py\nTime elapsed 6.36 min\n"
+                   "```\n\n# 04_fabric-vit-mixed-precision.py\n\nLike 03 but bf16.\n\n```\nTime elapsed 6.36 min\n"
                    "Memory used: 3.04 GB\nTest accuracy 95.24%\n")
     proc = plot("--results", str(tmp_path / "none.jsonl"), "--log", str(log), "--output",
                 str(tmp_path / "log.png"), cwd=tmp_path)

@@ -1,0 +1,86 @@
+"""The real (non-smoke) path, offline, at its smallest: CIFAR-10 downloaded (from a local server)
+once per machine while two processes start at once, the ImageNet weights from torch's hub cache,
+ViT-B/16 at 224x224 under DDP, one training step."""
+import http.server
+import os
+import tarfile
+import threading
+
+import torch
+
+from conftest import read_records, run_script, script_env, write_fake_cifar10
+
+POINT_CIFAR10_AT_LOCAL_SERVER = """
+import os
+import torchvision.datasets.cifar as cifar
+import torchvision.datasets.utils as utils
+cifar.CIFAR10.url = os.environ["FAKE_CIFAR10_URL"]
+cifar.CIFAR10.tgz_md5 = None  # a fake archive cannot match the real checksums
+cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)
+_download_url = utils.download_url
+def download_url(*args, **kwargs):  # the real download, noted in a file every process shares
+    with open(os.environ["DOWNLOAD_LOG"], "a") as log:
+        log.write(f"{os.environ.get('LOCAL_RANK', '0')}\\n")
+    return _download_url(*args, **kwargs)
+utils.download_url = download_url
+"""
+
+
+class CountingServer(http.server.ThreadingHTTPServer):
+    requests = 0
+
+
+def serve(directory):
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(directory), **kwargs)
+
+        def do_GET(self):
+            self.server.requests += 1
+            super().do_GET()
+
+        def log_message(self, *args):
+            pass
+    server = CountingServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
+    # CIFAR-10's archive, in its real layout, behind a local server that counts downloads
+    source = tmp_path / "source"
+    write_fake_cifar10(source, per_batch=4, num_test=4)
+    (tmp_path / "www").mkdir()
+    with tarfile.open(tmp_path / "www" / "cifar-10-python.tar.gz", "w:gz") as tar:
+        tar.add(source / "cifar-10-batches-py", arcname="cifar-10-batches-py")
+    # the ImageNet weights where torchvision looks for them
+    from torchvision.models import ViT_B_16_Weights, vit_b_16
+    cache = tmp_path / "torch-home" / "hub" / "checkpoints"
+    cache.mkdir(parents=True)
+    torch.save(vit_b_16(weights=None).state_dict(),
+               cache / os.path.basename(ViT_B_16_Weights.IMAGENET1K_V1.url))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(POINT_CIFAR10_AT_LOCAL_SERVER)
+
+    server = serve(tmp_path / "www")
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/cifar-10-python.tar.gz"
+        env = script_env(tmp_path, PYTHONPATH=str(site), FAKE_CIFAR10_URL=url,
+                         DOWNLOAD_LOG=str(tmp_path / "downloads.log"),
+                         no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
+        proc = run_script("03_fabric-vit.py", "--accelerator", "cpu", "--devices", "2",
+                          "--batch-size", "1", "--max-steps", "1", "--num-workers", "0",
+                          cwd=tmp_path, env=env, timeout=300)
+    finally:
+        server.shutdown()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # two processes started at once; local rank 0 downloaded, the other waited and found it
+    assert (tmp_path / "downloads.log").read_text().split() == ["0"]
+    assert server.requests >= 1  # torchvision's redirect check is a GET of its own
+    assert (tmp_path / "data" / "cifar-10-batches-py" / "data_batch_5").exists()
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert (record["smoke"], record["synthetic"]) == (False, False)
+    assert (record["world_size"], record["strategy"], record["steps"]) == (2, "ddp", 1)
+    assert 0.0 <= record["test_acc"] <= 1.0 and len(record["val_acc"]) == 1
+    assert record["parameters_per_process"] == [85806346, 85806346]  # ViT-B/16, 10 classes
