@@ -17,8 +17,9 @@ sys.path.insert(0, str(ROOT))
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "03_fabric-vit.py",
            "04_fabric-vit-mixed-precision.py", "06_fabric-vit-mixed-fsdp.py"]
-# 06 runs its smoke test as 2 CPU processes (its default of 4 is for GPUs).
-SMOKE_FLAGS = {"06_fabric-vit-mixed-fsdp.py": ["--devices", "2"]}
+# 06 runs its smoke test as two torchrun 'nodes' of one CPU process each (its default of 4
+# devices is for GPUs); Fabric's own launcher is exercised by test_full_path.py.
+TWO_NODES = "06_fabric-vit-mixed-fsdp.py"
 # Nothing in the tests may reach the network: every download goes to a closed local port.
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
            "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
@@ -48,6 +49,34 @@ def start_script(script, *flags, cwd, env=None):
     return subprocess.Popen([sys.executable, str(ROOT / script), *flags], cwd=cwd,
                             env=env or script_env(Path(cwd)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def start_two_nodes(script, *flags, cwd):
+    """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node_rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), str(ROOT / script), "--devices", "1", "--num-nodes", "2", *flags],
+        cwd=cwd, env=script_env(Path(cwd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True) for node_rank in (0, 1)]
+
+
+def start(script, *flags, cwd):
+    """The script's smoke-test launch: a list of processes (two nodes for 06)."""
+    if script == TWO_NODES:
+        return start_two_nodes(script, *flags, cwd=cwd)
+    return [start_script(script, *flags, cwd=cwd)]
+
+
+def finish(procs, timeout=240):
+    """Wait for every process; on time-out or error kill them all. The outputs, in order."""
+    try:
+        return [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
 
 
 def descendants(pid):
@@ -159,7 +188,13 @@ def smoke_runs(tmp_path_factory):
     def get(script):
         if script not in runs:
             cwd = tmp_path_factory.mktemp(Path(script).stem)
-            proc = run_script(script, "--smoke", *SMOKE_FLAGS.get(script, []), cwd=cwd)
+            began = time.monotonic()
+            procs = start(script, "--smoke", cwd=cwd)
+            outputs = finish(procs)
+            proc = subprocess.CompletedProcess(
+                procs[0].args, max(p.returncode for p in procs), "".join(outputs), "".join(outputs))
+            proc.wall_s = time.monotonic() - began
+            proc.outputs = outputs
             result = Result()
             result.proc, result.dir = proc, cwd
             records = cwd / "results" / "runs.jsonl"

@@ -19,7 +19,7 @@ WALL_LIMIT_S = {"06_fabric-vit-mixed-fsdp.py": 150}
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_smoke_run_learns_and_records(smoke_runs, script):
     run = smoke_runs(script)
-    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    assert run.proc.returncode == 0, run.proc.stdout[-3000:]
     out = run.proc.stdout
     record = run.record
     assert RECORD_KEYS <= record.keys()
