@@ -199,11 +199,11 @@ def get_dataloaders(args):
             DataLoader(test, shuffle=False, **common))
 
 
-def cifar10_datasets(data_dir, download=True, transform=None):
+def cifar10_datasets(data_dir, download=True):
     """torchvision's CIFAR10 under data_dir: 45,000 train / 5,000 validation (the last 5,000
     training images) / 10,000 test, all with the talk's transform."""
     from torchvision.datasets import CIFAR10
-    transform = transform or talk_transforms()
+    transform = talk_transforms()
     try:
         train_full = CIFAR10(root=data_dir, train=True, transform=transform, download=download)
         test = CIFAR10(root=data_dir, train=False, transform=transform, download=download)

@@ -33,10 +33,10 @@ def script_env(tmp, **extra):
     return env
 
 
-def run_script(script, *flags, cwd, timeout=240, env=None, python=(sys.executable,)):
+def run_script(script, *flags, cwd, timeout=240, env=None):
     """Run a numbered script from the project in `cwd`; results, data and checkpoints land
     there (relative defaults)."""
-    cmd = [*python, str(ROOT / script), *flags]
+    cmd = [sys.executable, str(ROOT / script), *flags]
     start = time.monotonic()
     proc = subprocess.run(cmd, cwd=cwd, env=env or script_env(Path(cwd)), capture_output=True,
                           text=True, timeout=timeout)
@@ -158,22 +158,6 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
         pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog",
                                      "frog", "horse", "ship", "truck"]}, f)
     return batches
-
-
-# A fake CIFAR-10 cannot match torchvision's md5 checksums: subprocesses that read one get
-# this sitecustomize, which replaces only the checksum test by "the file exists".
-SKIP_CIFAR_CHECKSUM = """
-import os
-import torchvision.datasets.cifar as cifar
-cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)
-"""
-
-
-def skip_cifar_checksum_env(tmp):
-    site = Path(tmp) / "site"
-    site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SKIP_CIFAR_CHECKSUM)
-    return {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
 
 
 @pytest.fixture(scope="session")
