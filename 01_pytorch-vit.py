@@ -1,6 +1,14 @@
-"""Finetune torchvision's ViT-B/16 on CIFAR-10, as in the CVPR 2023 talk "Scaling PyTorch Model
-Training With Minimal Code Changes". Each numbered script adds one technique to the one before:
-`diff` the two to see it. Data, flags and run records live in local_utilities.py."""
+"""One chapter of the CVPR 2023 talk "Scaling PyTorch Model Training With Minimal Code Changes":
+torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
+before it: `diff` two neighbours to see it; `--help` says which. The talk's figures and each
+script's change are in talk_reference.csv.
+
+    python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
+    python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
+
+Flags, data, model and evaluation are in local_utilities.py; records, checkpoints, --resume and
+Ctrl-C in run_keeping.py, out of the lesson's way.
+"""
 import time
 
 import torch
@@ -8,18 +16,13 @@ import torch.nn.functional as F
 import torchmetrics
 from watermark import watermark
 
-from local_utilities import (
-    Run,
-    build_vit,
-    evaluate,
-    get_dataloaders,
-    parse_args,
-)
+from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
+from run_keeping import RunKeeper
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper):
     start = time.time()
-    for epoch in run.epochs():
+    for epoch in range(keeper.start_epoch, num_epochs):
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
 
         model.train()
@@ -36,28 +39,27 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run):
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
+            keeper.step(loss, len(targets))  # loss guard and timing, for the run record
 
             ### LOGGING
-            run.step(epoch, batch_idx, loss, len(targets))  # stops on a NaN loss; times the step
             if not batch_idx % 300:
-                run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
+                print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
 
             model.eval()
             with torch.no_grad():
                 predicted_labels = torch.argmax(logits, 1)
                 train_acc.update(predicted_labels, targets)
-            if run.max_steps_reached:
-                break
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
-        run.end_epoch(epoch, model, optimizer, val_acc, train_time_s=time.time() - start)
+        print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
+        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
     args = parse_args(epochs=3)  # instead of 10: finetuning needs fewer epochs
+    keeper = RunKeeper(args)  # run records, checkpoints, --resume, Ctrl-C: run_keeping.py
     device = torch.device(args.accelerator)
     print(watermark(packages="torch,torchvision,lightning", python=True))
     torch.manual_seed(args.seed)
@@ -81,12 +83,11 @@ if __name__ == "__main__":
     #########################################
     ### 3 Finetuning
     #########################################
-    run = Run(args)
-    run.resume(model, optimizer, train_loader)
-    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run)
+    keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper)
 
     #########################################
     ### 4 Evaluation
     #########################################
     test_acc = evaluate(model, test_loader, device)
-    run.finish(elapsed, test_acc)  # prints time, memory and test accuracy; appends the record
+    keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model

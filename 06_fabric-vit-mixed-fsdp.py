@@ -1,28 +1,30 @@
-"""Finetune torchvision's ViT-B/16 on CIFAR-10, as in the CVPR 2023 talk "Scaling PyTorch Model
-Training With Minimal Code Changes". Each numbered script adds one technique to the one before:
-`diff` the two to see it. Data, flags and run records live in local_utilities.py."""
+"""One chapter of the CVPR 2023 talk "Scaling PyTorch Model Training With Minimal Code Changes":
+torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
+before it: `diff` two neighbours to see it; `--help` says which. The talk's figures and each
+script's change are in talk_reference.csv.
+
+    python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
+    python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
+
+Flags, data, model and evaluation are in local_utilities.py; records, checkpoints, --resume and
+Ctrl-C in run_keeping.py, out of the lesson's way.
+"""
 import time
 
+import lightning as L  # new
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning import Fabric
 from watermark import watermark
 
-from local_utilities import (
-    Run,
-    build_vit,
-    evaluate,
-    fsdp_strategy,
-    get_dataloaders,
-    parse_args,
-    supported_precision,
-)
+from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
+from local_utilities import fsdp_each_encoder_block  # new: FSDP2, shard by shard
+from run_keeping import RunKeeper
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, fabric):  # instead of (..., run)
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # instead of (..., keeper)
     start = time.time()
-    for epoch in run.epochs():
+    for epoch in range(keeper.start_epoch, num_epochs):
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
 
         model.train()
@@ -38,36 +40,35 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, run, f
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
+            keeper.step(loss, len(targets))  # loss guard and timing, for the run record
 
             ### LOGGING
-            run.step(epoch, batch_idx, loss, len(targets))  # stops on a NaN loss; times the step
             if not batch_idx % 300:
-                run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
+                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # instead of print: once per machine
 
             model.eval()
             with torch.no_grad():
                 predicted_labels = torch.argmax(logits, 1)
                 train_acc.update(predicted_labels, targets)
-            if run.max_steps_reached:
-                break
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        run.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")
-        run.end_epoch(epoch, model, optimizer, val_acc, train_time_s=time.time() - start)
+        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # instead of print
+        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3, devices=4)  # instead of devices=1: four GPUs
-    fabric = Fabric(  # new: Lightning Fabric runs the accelerator, devices and processes
+    args = parse_args(epochs=3, devices=4)  # instead of parse_args(epochs=3): four devices
+    fabric = L.Fabric(  # new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        precision=supported_precision("bf16-mixed", args),  # new: bf16 mixed precision (16-mixed where a GPU lacks bf16)
-        strategy=fsdp_strategy(args),  # new: FSDP, each EncoderBlock sharded across all processes
+        precision="bf16-mixed",  # new: mixed precision
+        strategy=L.fabric.strategies.ModelParallelStrategy(fsdp_each_encoder_block, data_parallel_size=args.world_size, tensor_parallel_size=1),  # instead of "ddp": FSDP2
     )
     fabric.launch()  # new: starts the other processes, if any
+    keeper = RunKeeper(args, fabric)  # instead of RunKeeper(args)
     device = fabric.device  # instead of torch.device(args.accelerator)
-    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # instead of print: once per machine
+    print(watermark(packages="torch,torchvision,lightning", python=True))
     torch.manual_seed(args.seed)
 
     ##########################
@@ -92,12 +93,11 @@ if __name__ == "__main__":
     #########################################
     ### 3 Finetuning
     #########################################
-    run = Run(args, fabric)  # instead of Run(args): checkpoints with fabric.save
-    run.resume(model, optimizer, train_loader)
-    elapsed = train(args.epochs, model, optimizer, train_loader, val_loader, device, run, fabric)  # instead of (..., run)
+    keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # instead of (..., keeper)
 
     #########################################
     ### 4 Evaluation
     #########################################
     test_acc = evaluate(model, test_loader, device)
-    run.finish(elapsed, test_acc)  # prints time, memory and test accuracy; appends the record
+    keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model

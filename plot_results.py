@@ -1,12 +1,14 @@
 """The talk's comparison charts from the run records, with the talk's own figures beside ours.
 
-    python plot_results.py                      # results/runs.jsonl -> results/comparison.png
+    python plot_results.py                      # results/runs.jsonl -> results/charts.png
     python plot_results.py --smoke              # the --smoke runs instead of full runs
-    python plot_results.py --log my-runs.md     # also logs in the talk's text format
+    python plot_results.py --log examples/talk-log.md   # also logs in the talk's text format
 
 Keeps the latest record per script, draws training time, test accuracy, peak memory and
 throughput per script (ours solid, the talk's hatched), and prints the same as a table with each
-script's speedup over 01.
+script's speedup over 01. Speedup, here and in benchmark.py, is training throughput over 01's:
+images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
+throughput, 01's training time divided by the script's (the same images in each run).
 """
 import argparse
 import csv
@@ -45,7 +47,7 @@ def load_reference(path=REFERENCE):
     """The talk's table: {script: {technique, epochs, devices, time_min, memory_gb, ...}}."""
     with open(path) as f:
         rows = csv.DictReader(line for line in f if not line.startswith("#"))
-        return {row["script"]: {k: (v if k in ("script", "technique") else float(v))
+        return {row["script"]: {k: (v if k in ("script", "technique", "change") else float(v))
                                 for k, v in row.items()} for row in rows}
 
 
@@ -148,11 +150,25 @@ def hardware(latest):
     return "; ".join(parts)
 
 
+SPEEDUP = ("speedup: training images/s over 01's (the talk's, and runs without a throughput: "
+           "01's training time over the script's)")
+
+
+def speedup(record, baseline):
+    """Throughput over the baseline's; training time where either lacks a throughput."""
+    if not record or not baseline:
+        return None
+    if record.get("images_per_s") and baseline.get("images_per_s"):
+        return record["images_per_s"] / baseline["images_per_s"]
+    if record.get("train_time_s") and baseline.get("train_time_s"):
+        return baseline["train_time_s"] / record["train_time_s"]
+    return None
+
+
 def table(latest, reference, kind):
     """The comparison as text: ours beside the talk's, and each script's speedup over 01."""
-    def speedup(t01, t):
-        return f"{t01 / t:.2f}x" if t01 and t else "-"
-    ours01 = latest.get(BASELINE, {}).get("train_time_s")
+    def show(value):
+        return f"{value:.2f}x" if value else "-"
     talk01 = reference[BASELINE]["time_min"]
     header = (f"{'script':<34} {'time min':>9} {'talk':>7} {'acc %':>7} {'talk':>7} "
               f"{'mem GB':>7} {'talk':>6} {'img/s':>8} {'speedup':>8} {'talk':>6}")
@@ -164,32 +180,47 @@ def table(latest, reference, kind):
         lines.append(
             f"{script:<34} {r['train_time_s'] / 60:>9.2f} {t['time_min']:>7.2f} {acc:>7} "
             f"{t['test_acc_pct']:>7.2f} {r['peak_memory_gb']:>7.2f} {t['memory_gb']:>6.2f} "
-            f"{ips:>8} {speedup(ours01, r['train_time_s']):>8} "
-            f"{speedup(talk01, t['time_min']):>6}")
+            f"{ips:>8} {show(speedup(r, latest.get(BASELINE))):>8} "
+            f"{show(talk01 / t['time_min']):>6}")
+    lines.append(f"({SPEEDUP})")
     if kind != "full":
         lines.append(f"({kind} runs: a small model on small data; not a reproduction of the talk)")
     return "\n".join(lines)
 
 
-def draw(latest, reference, kind, output):
+def short_label(script, reference):
+    technique = reference[script]["technique"].split(", stepped")[0]
+    return script[:2] + "\n" + textwrap.fill(technique, 15)
+
+
+def figure(latest, reference, kind):
+    """The four panels, one above the other, wide enough that no label overlaps another."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scripts = sorted(latest)
-    labels = [s.split("_")[0] + "\n" + textwrap.fill(reference[s]["technique"], 16)
-              for s in scripts]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5), dpi=100)
+    labels = [short_label(s, reference) for s in scripts]
+    fig, axes = plt.subplots(4, 1, figsize=(max(9.0, 1.5 * len(scripts) + 2), 15), dpi=100)
     width = 0.38
-    for ax, (title, key, talk_key, convert, fmt) in zip(axes.flat, CHARTS):
-        ours = [convert(latest[s][key]) if latest[s].get(key) is not None else 0 for s in scripts]
-        xs = range(len(scripts))
-        bars = ax.bar([x - width / 2 for x in xs], ours, width, color="#1f77b4",
-                      label=f"ours ({kind})")
-        for bar, s, value in zip(bars, scripts, ours):
-            text = fmt.format(value) if latest[s].get(key) is not None else "n/a"
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
+    xs = list(range(len(scripts)))
+    for ax, (title, key, talk_key, convert, fmt) in zip(axes, CHARTS):
+        ax.set_title(title)
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_xlim(-0.6, len(scripts) - 0.4)
+        ours = [convert(latest[s][key]) if latest[s].get(key) is not None else None for s in scripts]
+        if all(value is None for value in ours) and not talk_key:
+            ax.set_yticks([])
+            ax.text(0.5, 0.5, f"no data: none of these {kind} records has {key}",
+                    transform=ax.transAxes, ha="center", va="center", color="#555555")
+            continue
+        bars = ax.bar([x - width / 2 for x in xs], [v or 0 for v in ours], width,
+                      color="#1f77b4", label=f"ours ({kind})")
+        for bar, value in zip(bars, ours):
+            ax.annotate("n/a" if value is None else fmt.format(value),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=7)
         if talk_key:
             talk = [reference[s][talk_key] for s in scripts]
             talk_bars = ax.bar([x + width / 2 for x in xs], talk, width, color="white",
@@ -197,35 +228,42 @@ def draw(latest, reference, kind, output):
             for bar, value in zip(talk_bars, talk):
                 ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2,
                                                 bar.get_height()),
-                            ha="center", va="bottom", fontsize=8, color="#555555")
+                            ha="center", va="bottom", fontsize=7, color="#555555")
         else:
             ax.text(0.99, 0.97, "talk: not published", transform=ax.transAxes, ha="right",
                     va="top", fontsize=8, color="#555555")
-        ax.set_title(title)
-        ax.set_xticks(list(xs))
-        ax.set_xticklabels(labels, fontsize=7)
-        ax.margins(y=0.15)
+        ax.margins(y=0.2)
     headline = f"Ours: {kind} runs on {hardware(latest)}"
     if kind != "full":
-        headline += f" -- {kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
+        headline += f"\n{kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
     if kind == "smoke":
-        headline += ("\n(smoke: a 3-layer ViT from random init on 8x8 digits in every script; "
-                     "memory on a CPU is the peak resident memory of the process)")
+        headline += ("\n(a 3-layer ViT from random init on 8x8 digits in every script; on a CPU, "
+                     "memory is the process's peak resident memory)")
     fig.suptitle(headline + "\nTalk (hatched): its published runs on its GPUs "
-                 "(1 GPU; 4 GPUs for 05-07)", fontsize=10)
-    handles, names = axes.flat[0].get_legend_handles_labels()
+                 "(1 GPU; 4 GPUs for 05-07)", fontsize=9)
+    handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.025, 1, 1))
+    return fig
+
+
+def save(fig, output):
+    """The PNG written beside `output` and renamed into place: whole or not at all."""
+    import matplotlib.pyplot as plt
     output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".comparison-", suffix=".png", dir=output.parent)
-    os.close(fd)
+    tmp = None
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".charts-", suffix=".png", dir=output.parent)
+        os.close(fd)
         fig.savefig(tmp, format="png")
-        os.replace(tmp, output)  # whole or not at all
+        os.replace(tmp, output)
+    except OSError as err:
+        print(f"{PROG}: error: cannot write {output}: {err.strerror or err}", file=sys.stderr)
+        raise SystemExit(1)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
+        if tmp and os.path.exists(tmp):
             os.remove(tmp)
 
 
@@ -235,8 +273,8 @@ def main(argv=None):
                         help="run records, one JSON object per line (default results/runs.jsonl)")
     parser.add_argument("--log", action="append", default=[], metavar="FILE",
                         help="also read a log in the talk's text format (repeatable)")
-    parser.add_argument("--output", default="results/comparison.png", metavar="PNG",
-                        help="default results/comparison.png")
+    parser.add_argument("--output", default="results/charts.png", metavar="PNG",
+                        help="default results/charts.png (ignored by git)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--smoke", action="store_const", const="smoke", dest="kind",
                        help="chart the --smoke runs")
@@ -256,7 +294,7 @@ def main(argv=None):
     if not latest:
         fail(f"nothing to draw: no {kind} runs (drop --{kind} to chart what there is)")
     print(table(latest, reference, kind))
-    draw(latest, reference, kind, args.output)
+    save(figure(latest, reference, kind), args.output)
     print(f"Chart written to {args.output}")
 
 

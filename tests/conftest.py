@@ -15,10 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "03_fabric-vit.py",
-           "04_fabric-vit-mixed-precision.py", "06_fabric-vit-mixed-fsdp.py"]
-# 06 runs its smoke test as two torchrun 'nodes' of one CPU process each (its default of 4
-# devices is for GPUs); Fabric's own launcher is exercised by test_full_path.py.
+SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
+           "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
+           "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py"]
+# 06 runs its smoke test as two torchrun 'nodes' of one CPU process each; 05 and 07 run as
+# Fabric launches them (--smoke on a CPU: 2 processes).
 TWO_NODES = "06_fabric-vit-mixed-fsdp.py"
 # Nothing in the tests may reach the network: every download goes to a closed local port.
 OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
@@ -79,6 +80,16 @@ def finish(procs, timeout=240):
                 kill_group(p)
 
 
+def check_ok(procs, outputs, what):
+    """Fail loudly unless every process exited 0 (a signal's negative code fails too), showing
+    the end of each process's output."""
+    codes = [p.returncode for p in procs]
+    if any(code != 0 for code in codes):
+        tails = "\n".join(f"--- process {i} (exit {c}):\n" + "\n".join(o.splitlines()[-25:])
+                          for i, (c, o) in enumerate(zip(codes, outputs)))
+        pytest.fail(f"{what} failed with exit codes {codes}\n{tails}", pytrace=False)
+
+
 def descendants(pid):
     """Every process below `pid`, found through /proc (torchrun starts its workers in sessions of
     their own, so killing a process group is not enough)."""
@@ -131,6 +142,35 @@ def read_records(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines()]
 
 
+def git_status():
+    """The checkout's changed, new and ignored files, less Python's own byte-code caches."""
+    proc = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return None
+    return "\n".join(line for line in proc.stdout.splitlines() if "__pycache__" not in line)
+
+
+def pytest_sessionstart(session):
+    session.config.status_before = git_status()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite leaves the checkout as it found it, ignored files included."""
+    before, after = session.config.status_before, git_status()
+    if before is not None and after != before:
+        new = sorted(set(after.splitlines()) - set(before.splitlines()))
+        print(f"\nThe test suite changed the checkout {ROOT}: {new}", file=sys.stderr)
+        session.exitstatus = 1
+
+
+@pytest.fixture(autouse=True)
+def run_in_tmp(tmp_path, monkeypatch):
+    """Every test runs in its own empty folder: nothing lands in the checkout, and nothing lying
+    in it (records, checkpoints) changes what a test sees."""
+    monkeypatch.chdir(tmp_path)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,8 +202,9 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
 
 @pytest.fixture(scope="session")
 def smoke_runs(tmp_path_factory):
-    """Each numbered script's --smoke run, once per test session: {script: result}, where a
-    result has .proc (the finished process), .record (its run record) and .dir."""
+    """Each numbered script's --smoke run, once per test session. A result has .out (the output
+    of the first process), .outputs, .wall_s, .record (its run record) and .dir; a run that
+    failed fails every test that asks for it, with its output."""
     runs = {}
 
     class Result:
@@ -175,14 +216,19 @@ def smoke_runs(tmp_path_factory):
             began = time.monotonic()
             procs = start(script, "--smoke", cwd=cwd)
             outputs = finish(procs)
-            proc = subprocess.CompletedProcess(
-                procs[0].args, max(p.returncode for p in procs), "".join(outputs), "".join(outputs))
-            proc.wall_s = time.monotonic() - began
-            proc.outputs = outputs
             result = Result()
-            result.proc, result.dir = proc, cwd
+            result.wall_s, result.outputs, result.dir = time.monotonic() - began, outputs, cwd
+            result.out = outputs[0]
+            result.failure = None
             records = cwd / "results" / "runs.jsonl"
+            try:
+                check_ok(procs, outputs, f"{script} --smoke")
+                assert records.exists(), f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
+            except BaseException as err:  # every later test of this run fails with the output
+                result.failure = err
             result.record = read_records(records)[-1] if records.exists() else None
             runs[script] = result
+        if runs[script].failure:
+            raise runs[script].failure
         return runs[script]
     return get

@@ -32,7 +32,7 @@ def fake_cifar(tmp_path, monkeypatch):
 
 def loader_args(data_dir, **overrides):
     values = dict(smoke=False, synthetic=False, data_dir=str(data_dir), no_download=True,
-                  batch_size=4, num_workers=0, seed=123, devices=1, num_nodes=1, max_steps=None)
+                  batch_size=4, num_workers=0, seed=123, world_size=1, max_steps=None)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -71,7 +71,8 @@ def test_cifar10_missing_with_no_download(tmp_path, capsys):
         lu.get_dataloaders(loader_args(tmp_path / "empty"))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert str(tmp_path / "empty") in err and "--no-download" in err
+    assert str(tmp_path / "empty") in err and "--no-download" in err and lu.CIFAR10_URL in err
+    assert "download=True" not in err  # torchvision's own hint, which our flags don't have
     assert len(err.strip().splitlines()) == 1
 
 
@@ -81,6 +82,7 @@ def test_cifar10_download_impossible(tmp_path, capsys, offline):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "could not be downloaded" in err and str(tmp_path / "data") in err
+    assert lu.CIFAR10_URL in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -92,6 +94,18 @@ def test_smoke_digits_split_is_fixed_and_learnable_shape():
     again = lu.digits_datasets()[2]
     assert torch.equal(test.tensors[0], again.tensors[0])  # the same split every time
     assert set(test.tensors[1].tolist()) == set(range(10))
+
+
+def test_max_steps_keeps_that_many_batches_per_process(fake_cifar):
+    data_dir, _ = fake_cifar
+    train, val, test = lu.get_dataloaders(loader_args(data_dir, max_steps=3, world_size=2))
+    assert len(train.dataset) == 3 * 4 * 2 and len(val.dataset) == 10 and len(test.dataset) == 20
+
+
+def test_the_talks_batch_and_workers(fake_cifar):
+    data_dir, _ = fake_cifar
+    train, val, test = lu.get_dataloaders(loader_args(data_dir, batch_size=16, num_workers=4))
+    assert all(loader.batch_size == 16 and loader.num_workers == 4 for loader in (train, val, test))
 
 
 def test_synthetic_data_has_the_runs_shape():
@@ -134,12 +148,3 @@ def test_smoke_and_synthetic_never_download(tmp_path, offline):
     big = lu.build_vit("IMAGENET1K_V1", argparse.Namespace(smoke=False, synthetic=True))
     assert big.hidden_dim == 768
     assert not (tmp_path / "torch-home").exists()
-
-
-def test_records_are_single_appends(tmp_path):
-    path = tmp_path / "runs.jsonl"
-    path.write_text('{"script": "earlier"}\n')
-    lu.append_record(path, {"script": "x", "values": [1, 2]})
-    lines = path.read_text().splitlines()
-    assert lines[0] == '{"script": "earlier"}' and len(lines) == 2
-    assert json.loads(lines[1]) == {"script": "x", "values": [1, 2]}

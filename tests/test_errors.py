@@ -1,5 +1,4 @@
 """Bad input and hostile machines: one clear line, exit 2, no traceback, records untouched."""
-import signal
 import sys
 
 import pytest
@@ -11,19 +10,17 @@ from conftest import run_script
 @pytest.fixture
 def argv(monkeypatch):
     """Call the real parse_args as if a script were run with these flags."""
-    handler = signal.getsignal(signal.SIGINT)
-
     def parse(*flags, script="01_pytorch-vit.py", epochs=3, devices=None):
         monkeypatch.setattr(sys, "argv", [script, *flags])
         return lu.parse_args(epochs=epochs, devices=devices)
-    yield parse
-    signal.signal(signal.SIGINT, handler)
+    return parse
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
-    (["--batch-size", "0"], "argument --batch-size: must be at least 1, got 0"),
+    (["--epochs", "0"], "argument --epochs: must be 1 or more, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be 1 or more, got 0"),
     (["--num-workers", "-1"], "argument --num-workers: must be 0 or more, got -1"),
+    (["--max-steps", "x"], "argument --max-steps: invalid"),
     (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu'"),
 ])
 def test_bad_flag_values(argv, capsys, flags, message):
@@ -45,6 +42,18 @@ def test_results_path_that_cannot_be_written(argv, capsys, tmp_path):
     with pytest.raises(SystemExit):
         argv("--smoke", "--results", str(blocker / "runs.jsonl"))
     assert blocker.read_text() == "x"
+    with pytest.raises(SystemExit):
+        argv("--smoke", "--save-model", str(blocker / "m.pt"))
+    assert "--save-model" in capsys.readouterr().err
+
+
+def test_parsing_creates_nothing(argv, tmp_path):
+    """parse_args only parses and checks: no results folder, no handlers, no files."""
+    import signal
+    handler = signal.getsignal(signal.SIGINT)
+    argv("--smoke", "--results", str(tmp_path / "deep" / "runs.jsonl"))
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_no_gpu_without_smoke(argv, capsys):
@@ -53,6 +62,9 @@ def test_no_gpu_without_smoke(argv, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "about a day" in err and "--smoke" in err and "--accelerator cpu" in err
+    with pytest.raises(SystemExit):
+        argv("--resume", script="04_fabric-vit-mixed-precision.py")
+    assert "python 04_fabric-vit-mixed-precision.py --smoke --resume" in capsys.readouterr().err
 
 
 def test_accelerator_cpu_insists(argv):
@@ -63,14 +75,19 @@ def test_accelerator_cpu_insists(argv):
 def test_defaults_reproduce_the_talk(argv):
     args = argv("--accelerator", "cpu", script="06_fabric-vit-mixed-fsdp.py", devices=4)
     assert (args.epochs, args.batch_size, args.num_workers, args.seed, args.devices,
-            args.num_nodes, args.data_dir, args.results) == \
-        (3, 16, 4, 123, 4, 1, "data", "results/runs.jsonl")
+            args.num_nodes, args.data_dir, args.results, args.max_steps) == \
+        (3, 16, 4, 123, 4, 1, "data", "results/runs.jsonl", None)
+    assert args.save_model == "models/06_fabric-vit-mixed-fsdp.pt"
 
 
-def test_smoke_keeps_the_global_batch(argv):
-    args = argv("--smoke", "--devices", "2", script="06_fabric-vit-mixed-fsdp.py", devices=4)
-    assert (args.batch_size, args.epochs, args.accelerator) == (8, lu.SMOKE_EPOCHS, "cpu")
+def test_smoke_keeps_the_global_batch_on_two_processes(argv):
+    args = argv("--smoke", script="06_fabric-vit-mixed-fsdp.py", devices=4)
+    assert (args.devices, args.batch_size, args.epochs, args.accelerator) == \
+        (2, 8, lu.SMOKE_EPOCHS, "cpu")
     assert args.checkpoint_dir.endswith("06_fabric-vit-mixed-fsdp-smoke")
+    assert args.save_model == "models/06_fabric-vit-mixed-fsdp-smoke.pt"
+    assert argv("--smoke", "--devices", "4", script="06_fabric-vit-mixed-fsdp.py",
+                devices=4).batch_size == 4
 
 
 @pytest.fixture
@@ -81,6 +98,7 @@ def earlier_records(tmp_path):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, flags, words", [
     ("01_pytorch-vit.py", [], ["no CUDA GPU", "about a day"]),
     ("06_fabric-vit-mixed-fsdp.py", ["--accelerator", "cuda"], ["4 GPU", "has 0"]),

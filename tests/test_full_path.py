@@ -6,6 +6,7 @@ import os
 import tarfile
 import threading
 
+import pytest
 import torch
 
 from conftest import read_records, run_script, script_env, write_fake_cifar10
@@ -46,6 +47,7 @@ def serve(directory):
     return server
 
 
+@pytest.mark.slow
 def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
     # CIFAR-10's archive, in its real layout, behind a local server that counts downloads
     source = tmp_path / "source"
@@ -69,9 +71,9 @@ def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
         env = script_env(tmp_path, PYTHONPATH=str(site), FAKE_CIFAR10_URL=url,
                          DOWNLOAD_LOG=str(tmp_path / "downloads.log"),
                          no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
-        proc = run_script("03_fabric-vit.py", "--accelerator", "cpu", "--devices", "2",
-                          "--batch-size", "1", "--max-steps", "1", "--num-workers", "0",
-                          cwd=tmp_path, env=env, timeout=300)
+        proc = run_script("05_fabric-vit-mixed-ddp.py", "--accelerator", "cpu", "--devices", "2",
+                          "--batch-size", "1", "--max-steps", "1", "--epochs", "1",
+                          "--num-workers", "0", cwd=tmp_path, env=env, timeout=300)
     finally:
         server.shutdown()
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -84,3 +86,16 @@ def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
     assert (record["world_size"], record["strategy"], record["steps"]) == (2, "ddp", 1)
     assert 0.0 <= record["test_acc"] <= 1.0 and len(record["val_acc"]) == 1
     assert record["parameters_per_process"] == [85806346, 85806346]  # ViT-B/16, 10 classes
+
+    # the finetuned model: one file that plain PyTorch and torchvision load, as the README shows
+    path = tmp_path / record["model_file"]
+    assert record["model_file"] == "models/05_fabric-vit-mixed-ddp.pt"
+    model = vit_b_16()
+    model.heads.head = torch.nn.Linear(768, 10)
+    model.load_state_dict(torch.load(path))
+    # 08 loads it with Fabric on one device and finds the training run's test accuracy again
+    proc = run_script("08_load-and-evaluate.py", "--accelerator", "cpu", "--no-download",
+                      "--num-workers", "0", cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Test accuracy {record['test_acc'] * 100:.2f}%" in proc.stdout
+    assert "in bf16-mixed (saved by 05_fabric-vit-mixed-ddp.py" in proc.stdout

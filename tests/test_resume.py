@@ -8,33 +8,37 @@ import pytest
 import torch
 
 import local_utilities as lu
-from conftest import finish, kill_group, read_records, run_script, script_env, start, \
+import run_keeping as rk
+from conftest import check_ok, finish, kill_group, read_records, run_script, script_env, start, \
     start_script, wait_for
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["01_pytorch-vit.py", "03_fabric-vit.py",
-                                    "06_fabric-vit-mixed-fsdp.py"])
+                                    "05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py",
+                                    "07_fabric-vit-mixed-fsdp-with-scheduler.py"])
 def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     """SIGKILL after the first epoch's checkpoint, then --resume, launched as the smoke run was
-    (06: two torchrun nodes): the same losses and accuracies as the uninterrupted run."""
+    (05, 07: Fabric's 2 processes; 06: two torchrun nodes): the same losses, learning rates and
+    accuracies as the uninterrupted run."""
     results = tmp_path / "results" / "runs.jsonl"
     results.parent.mkdir()
     results.write_text(EARLIER)
     ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
 
     procs = start(script, "--smoke", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / lu.LATEST, procs[0])
+    reached = wait_for(ckpt_dir / rk.LATEST, procs[0])
     outputs = [kill_group(p, signal.SIGKILL) for p in procs]
     assert reached, outputs[0][-3000:]
     # killed mid-training: the records file is as it was, and valid JSONL
     assert results.read_text() == EARLIER
-    assert json.loads((ckpt_dir / lu.LATEST).read_text())["epochs_done"] >= 1
+    assert json.loads((ckpt_dir / rk.LATEST).read_text())["epochs_done"] >= 1
 
     procs = start(script, "--smoke", "--resume", cwd=tmp_path)
     outputs = finish(procs)
-    assert [p.returncode for p in procs] == [0] * len(procs), outputs[0][-3000:]
+    check_ok(procs, outputs, f"{script} --smoke --resume")
     assert "Resuming" in outputs[0]
     records = read_records(results)
     assert len(records) == 2 and records[0] == json.loads(EARLIER)
@@ -43,6 +47,7 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     assert len(record["train_loss"]) == len(baseline["train_loss"]) == record["epochs"]
     for a, b in zip(record["train_loss"], baseline["train_loss"]):
         assert abs(a - b) <= 1e-6 * abs(b)
+    assert record["lr"] == baseline["lr"]
     assert record["val_acc"] == baseline["val_acc"]
     assert record["test_acc"] == baseline["test_acc"]
     assert record["steps"] == baseline["steps"]
@@ -50,21 +55,35 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     assert not ckpt_dir.exists()  # finished: nothing left to resume
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("script, sig, code", [
+    ("01_pytorch-vit.py", signal.SIGINT, 130),
+    ("01_pytorch-vit.py", signal.SIGTERM, 143),
+    ("05_fabric-vit-mixed-ddp.py", signal.SIGINT, 130),  # Fabric's 2 processes, as from a terminal
+])
+def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, script, sig, code):
+    """After the first checkpoint: one line naming it and the exact command that continues the
+    run, the documented exit code, no traceback, the records untouched; that command works."""
     results = tmp_path / "results" / "runs.jsonl"
     results.parent.mkdir()
     results.write_text(EARLIER)
-    ckpt_dir = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
-    proc = start_script("01_pytorch-vit.py", "--smoke", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / lu.LATEST, proc)
-    out = kill_group(proc, signal.SIGINT)
+    ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
+    proc = start_script(script, "--smoke", "--seed", "7", cwd=tmp_path)
+    reached = wait_for(ckpt_dir / rk.LATEST, proc)
+    out = kill_group(proc, sig)  # the whole process group, as a terminal's Ctrl-C or SLURM does
     assert reached, out[-3000:]
-    assert proc.returncode == 130
+    assert proc.returncode == code, out[-3000:]
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if "interrupted" in line]
-    assert len(lines) == 1 and "epoch-0001.ckpt" in lines[0] and "--resume" in lines[0]
+    assert len(lines) == 1 and "epoch-0001.ckpt" in lines[0], out[-3000:]
+    command = f"python {script} --smoke --seed 7 --resume"
+    assert lines[0].endswith(f"continue with: {command}")
     assert results.read_text() == EARLIER
     assert (ckpt_dir / "epoch-0001.ckpt").exists()
+    if sig == signal.SIGINT and script.startswith("01"):  # the printed command, as printed
+        resumed = run_script(script, *command.split()[2:], cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert read_records(results)[-1]["resumed"] is True
 
 
 NAN_AT_THIRD_STEP = """
@@ -79,8 +98,10 @@ F.cross_entropy = cross_entropy
 """
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_the_run(tmp_path):
-    """A NaN loss (injected into the 3rd training step) stops at that step, exit 1, no record."""
+    """A NaN loss (injected into the 3rd training step) stops the run before its first
+    checkpoint, naming that step: exit 1, no record, no checkpoint."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NAN_AT_THIRD_STEP)
@@ -89,19 +110,22 @@ def test_nan_loss_stops_the_run(tmp_path):
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "the loss is nan at epoch 1, batch 2" in proc.stderr
-    assert not (tmp_path / "results" / "runs.jsonl").read_text()
+    assert not (tmp_path / "results" / "runs.jsonl").exists()
+    assert not list(tmp_path.glob("checkpoints/*/*.ckpt"))
 
 
 @pytest.fixture
 def parse(monkeypatch, tmp_path):
-    handler = signal.getsignal(signal.SIGINT)
+    """The real parse_args, as if 01 were run with --smoke and these flags; restores the signal
+    handlers a RunKeeper installs."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def parse_args(*flags, script="01_pytorch-vit.py"):
-        monkeypatch.setattr(sys, "argv", [script, "--smoke", "--results",
-                                          str(tmp_path / "runs.jsonl"), *flags])
+        monkeypatch.setattr(sys, "argv", [script, "--smoke", *flags])
         return lu.parse_args(epochs=3)
     yield parse_args
-    signal.signal(signal.SIGINT, handler)
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 def model_and_optimizer(args):
@@ -109,31 +133,65 @@ def model_and_optimizer(args):
     return model, torch.optim.Adam(model.parameters(), lr=5e-5)
 
 
-def test_resume_with_nothing_to_resume(parse, tmp_path, capsys):
+def keeper_after_steps(args, losses, model=None, optimizer=None):
+    """A RunKeeper that has seen one epoch of these step losses (as tensors)."""
+    if model is None:
+        model, optimizer = model_and_optimizer(args)
+    keeper = rk.RunKeeper(args)
+    keeper.resume(model, optimizer, train_loader=[None] * len(losses))
+    for loss in losses:
+        keeper.step(torch.tensor(loss), batch_size=4)
+    return keeper, model, optimizer
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
+    keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 1.5, bad, 1.0])
     with pytest.raises(SystemExit) as exit_info:
-        parse("--resume", "--checkpoint-dir", str(tmp_path / "none"))
+        keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    assert exit_info.value.code == 1
+    assert f"the loss is {bad} at epoch 1, batch 2" in capsys.readouterr().err
+    assert not os.path.exists(keeper.ckpt_dir)
+
+
+def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
+    keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 4.0, 3.0, 7.0])
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    assert keeper.train_loss == [4.0] and keeper.lr == [5e-5]
+    # images_per_s counts neither the run's first 3 steps nor validation: 1 timed step of 4
+    assert keeper.timed_images == 4 and keeper.timed_seconds > 0
+
+
+def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys):
+    """The README's `python 04... --resume` after a --smoke run: the error names the -smoke
+    folder and the command that continues it."""
+    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / rk.LATEST).write_text("{}")
+    args = parse("--resume", "--accelerator", "cpu")
+    args.smoke, args.kind, args.checkpoint_dir = False, "", "checkpoints/01_pytorch-vit"
+    with pytest.raises(SystemExit) as exit_info:
+        rk.RunKeeper(args)
     assert exit_info.value.code == 2
-    assert "nothing to resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "nothing to resume in checkpoints/01_pytorch-vit (no latest.json)" in err
+    assert "continue it with python 01_pytorch-vit.py --smoke --resume" in err
 
 
 def test_fresh_run_refuses_to_overwrite_an_unfinished_one(parse, tmp_path, capsys):
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / lu.LATEST).write_text("{}")
+    (tmp_path / "ck" / rk.LATEST).write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
-        parse("--checkpoint-dir", str(tmp_path / "ck"))
+        rk.RunKeeper(parse("--checkpoint-dir", str(tmp_path / "ck")))
     assert exit_info.value.code == 2
     assert "--resume" in capsys.readouterr().err
-    assert (tmp_path / "ck" / lu.LATEST).read_text() == "{}"
+    assert (tmp_path / "ck" / rk.LATEST).read_text() == "{}"
 
 
-def write_checkpoint(args, epochs_done=1, **meta):
-    """A real checkpoint of the smoke model, written by Run's own save."""
-    model, optimizer = model_and_optimizer(args)
-    run = lu.Run(args)
-    run.resume(model, optimizer, train_loader=None)
-    run._epoch_losses = [1.0]
-    run.end_epoch(epochs_done - 1, model, optimizer, val_acc=0.5, train_time_s=1.0)
-    latest = os.path.join(args.checkpoint_dir, lu.LATEST)
+def write_checkpoint(args, **meta):
+    """A real checkpoint of the smoke model, written by RunKeeper's own save."""
+    keeper, model, optimizer = keeper_after_steps(args, [1.0])
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    latest = os.path.join(args.checkpoint_dir, rk.LATEST)
     if meta:
         data = json.load(open(latest))
         data.update(meta)
@@ -152,7 +210,7 @@ def test_resume_from_another_script_or_world_size(parse, tmp_path, capsys, meta,
     args = parse("--resume", "--checkpoint-dir", ck)
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        lu.Run(args).resume(model, optimizer, train_loader=None)
+        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
@@ -168,31 +226,46 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     args = parse("--resume", "--checkpoint-dir", str(ck))
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        lu.Run(args).resume(model, optimizer, train_loader=None)
+        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     assert "cannot load" in capsys.readouterr().err
     assert checkpoint.read_bytes() == corrupt
-    (ck / lu.LATEST).write_text("{not json")
+    (ck / rk.LATEST).write_text("{not json")
     with pytest.raises(SystemExit):
-        lu.Run(args).resume(model, optimizer, train_loader=None)
+        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert "corrupt" in capsys.readouterr().err
 
 
-def test_checkpoint_restores_model_and_optimizer(parse, tmp_path):
+def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     ck = str(tmp_path / "ck")
     args = parse("--checkpoint-dir", ck)
     model, optimizer = model_and_optimizer(args)
     model(torch.rand(2, 3, 32, 32)).sum().backward()
     optimizer.step()
-    run = lu.Run(args)
-    run.resume(model, optimizer, train_loader=None)
-    run._epoch_losses = [2.0, 4.0]
-    run.end_epoch(0, model, optimizer, val_acc=0.5, train_time_s=3.0)
+    keeper, _, _ = keeper_after_steps(args, [2.0, 4.0], model, optimizer)
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
-    resumed = lu.Run(args)
-    resumed.resume(fresh, fresh_optimizer, train_loader=None)
+    resumed = rk.RunKeeper(args)
+    resumed.resume(fresh, fresh_optimizer, train_loader=[None] * 2)
     assert torch.equal(fresh.conv_proj.weight, model.conv_proj.weight)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
-    assert (resumed.start_epoch, resumed.train_loss, resumed.val_acc) == (1, [3.0], [0.5])
-    assert resumed.earlier_train_time == 3.0
+    assert (resumed.start_epoch, resumed.train_loss, resumed.val_acc, resumed.lr) == \
+        (1, [3.0], [0.5], [5e-5])
+    assert resumed.steps == 2 and resumed.earlier["train_time_s"] > 0
+
+
+def test_a_compiled_models_checkpoint_and_file_fit_the_uncompiled_model(parse):
+    """02 and 01 share checkpoints and model files: torch.compile's "_orig_mod." is dropped
+    when saving and added back when loading into a compiled model."""
+    args = parse()
+    plain, _ = model_and_optimizer(args)
+    compiled = torch.compile(lu.build_vit(None, args))
+    assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    state = rk.plain_state_dict(compiled)
+    assert state.keys() == plain.state_dict().keys()
+    rk.load_state_dict(plain, state)  # 02 -> 01
+    assert torch.equal(plain.conv_proj.weight, compiled.conv_proj.weight)
+    torch.nn.init.zeros_(plain.conv_proj.weight)
+    rk.load_state_dict(compiled, rk.plain_state_dict(plain))  # 01 -> 02
+    assert not compiled.conv_proj.weight.any()

@@ -1,0 +1,98 @@
+"""08: the finished runs' model files, loaded and evaluated again, your own images predicted,
+and bad files refused in one line."""
+import argparse
+
+import numpy as np
+import pytest
+import torch
+
+import local_utilities as lu
+import run_keeping as rk
+from conftest import run_script
+
+
+def run_08(run, *flags):
+    return run_script("08_load-and-evaluate.py", "--smoke", *flags, cwd=run.dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, images_apart", [
+    ("04_fabric-vit-mixed-precision.py", 0),  # one process, bf16-mixed: the same figure
+    ("06_fabric-vit-mixed-fsdp.py", 1),       # 2 FSDP2 processes (bf16 parameters) vs. autocast
+])
+def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, images_apart):
+    run = smoke_runs(script)
+    proc = run_08(run, "--model", run.record["model_file"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"in bf16-mixed (saved by {script}" in proc.stdout
+    accuracy = float(proc.stdout.split("Test accuracy ")[1].split("%")[0]) / 100
+    test_images = lu.SMOKE_SPLIT[1]
+    # the printed figure has 2 decimals: 0.005 points, 0.018 of an image here
+    assert abs(accuracy - run.record["test_acc"]) * test_images <= images_apart + 0.02
+
+
+@pytest.mark.slow
+def test_08_predicts_image_files(smoke_runs, tmp_path):
+    """PNG and JPEG files of any size: each gets a class name, mostly the right one."""
+    from PIL import Image
+    run = smoke_runs("04_fabric-vit-mixed-precision.py")
+    images, labels = lu.digits_datasets()[2].tensors
+    files = []
+    for i in range(6):
+        picture = Image.fromarray((images[i].permute(1, 2, 0).numpy() * 255).astype(np.uint8))
+        path = tmp_path / (f"digit{i}.png" if i % 2 else f"digit{i}.jpg")
+        picture.resize((48 + 16 * i, 40 + 8 * i)).save(path)
+        files.append(path)
+    proc = run_08(run, "--predict", *map(str, files))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = dict(line.rsplit(": ", 1) for line in proc.stdout.splitlines()
+                   if line.startswith(str(tmp_path)))
+    assert list(answers) == list(map(str, files))
+    right = sum(answers[str(f)] == str(int(labels[i])) for i, f in enumerate(files))
+    assert right >= 5, answers
+
+
+@pytest.mark.slow
+def test_08_refuses_a_smoke_model_as_vit_b_16(smoke_runs):
+    run = smoke_runs("01_pytorch-vit.py")
+    proc = run_script("08_load-and-evaluate.py", "--accelerator", "cpu", "--model",
+                      run.record["model_file"], cwd=run.dir)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "holds the small --smoke ViT" in errors[0], proc.stderr
+
+
+def small_vit():
+    model = lu.build_vit(None, argparse.Namespace(smoke=True, synthetic=False))
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    return model
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "no model file"),
+    (b"PK\x03\x04 truncated", "is not a readable model file"),
+    ({"weights": [1, 2, 3]}, "not a model file of this suite"),
+    ({"fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)}, "holds another model"),
+])
+def test_bad_model_files(tmp_path, capsys, content, words):
+    path = tmp_path / "model.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        torch.save(content, path)
+    with pytest.raises(SystemExit) as exit_info:
+        rk.load_model_file(small_vit(), path)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and words in err, err
+
+
+def test_a_good_model_file_loads(tmp_path):
+    model = small_vit()
+    path = tmp_path / "model.pt"
+    torch.save(rk.plain_state_dict(model), path)
+    fresh = small_vit()
+    rk.load_model_file(fresh, path)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
+                                                   model.state_dict().values()))

@@ -1,0 +1,102 @@
+"""A full disk or a refused write: one line naming the file and the system's reason, exit 1,
+the half-written file removed, and everything written before untouched."""
+import errno
+import os
+
+import pytest
+
+import run_keeping as rk
+from conftest import run_script, script_env
+
+EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
+
+
+def failing_write(monkeypatch, after_bytes=10):
+    """os.write that writes `after_bytes`, then fails as a full disk does."""
+    real = os.write
+    written = [0]
+
+    def write(fd, data):
+        if written[0] >= after_bytes:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = real(fd, bytes(data)[:after_bytes - written[0]])
+        written[0] += n
+        return n
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_a_failed_file_write_leaves_the_old_file_and_no_part(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "models" / "m.pt"
+    path.parent.mkdir()
+    path.write_bytes(b"the model from before")
+    failing_write(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        rk.write_atomically(path, b"x" * 1000)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"cannot write {path}: No space left on device" in err
+    assert path.read_bytes() == b"the model from before"
+    assert sorted(p.name for p in path.parent.iterdir()) == ["m.pt"]
+
+
+def test_a_failed_record_append_leaves_the_earlier_records(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(EARLIER)
+    failing_write(monkeypatch)
+    with pytest.raises(SystemExit) as exit_info:
+        rk.append_record(path, {"script": "01_pytorch-vit.py", "losses": list(range(100))})
+    assert exit_info.value.code == 1
+    assert "cannot write the run record" in capsys.readouterr().err
+    assert path.read_text() == EARLIER  # the half-written line is cut off again
+
+
+def test_a_record_is_one_write(tmp_path, monkeypatch):
+    path = tmp_path / "runs.jsonl"
+    path.write_text(EARLIER)
+    writes = []
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(len(data)) or real(fd, data))
+    rk.append_record(path, {"script": "x", "values": list(range(1000))})
+    assert len(writes) == 1 and path.read_text().count("\n") == 2
+
+
+FULL_DISK_AT = """
+import errno, os
+_write = os.write
+def write(fd, data):
+    if os.readlink(f"/proc/self/fd/{fd}").endswith(os.environ["FULL_DISK_AT"]):
+        _write(fd, bytes(data)[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _write(fd, data)
+os.write = write
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target, names", [
+    ("epoch-0002.ckpt.tmp", "checkpoints/01_pytorch-vit-smoke/epoch-0002.ckpt.tmp"),
+    ("01_pytorch-vit-smoke.pt.tmp", "models/01_pytorch-vit-smoke.pt"),
+    ("runs.jsonl", "the run record to results/runs.jsonl"),
+])
+def test_full_disk_during_a_run(tmp_path, target, names):
+    """01 --smoke with the disk 'full' at the second checkpoint, the model file or the record."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FULL_DISK_AT)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
+    env = script_env(tmp_path, PYTHONPATH=str(site), FULL_DISK_AT=target)
+    proc = run_script("01_pytorch-vit.py", "--smoke", cwd=tmp_path, env=env)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"cannot write {names}" in errors[0]
+    assert "No space left on device" in errors[0]
+    assert (tmp_path / "results" / "runs.jsonl").read_text() == EARLIER
+    assert not list(tmp_path.rglob("*.tmp"))
+    ckpt = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
+    if target.startswith("epoch"):  # the last good checkpoint stays, to resume from
+        assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", rk.LATEST]
+    else:  # the run finished training; its last checkpoint stays until the files are written
+        assert (ckpt / rk.LATEST).exists()
