@@ -1,13 +1,18 @@
-"""What each technique buys, without the data set: runs the numbered scripts one after another
-on synthetic data (--synthetic) and prints images/s, speedup over 01, peak memory and model FLOP
-utilisation, then the rate of the talk's CIFAR-10 input pipeline beside it.
+"""What each technique buys, without the data set: runs the numbered scripts on synthetic data
+(--synthetic), one after another, beside a bare loop of the same model, precision, strategy and
+batch, and prints images/s, the speedup over 01, the ratio to the bare loop, peak memory and
+model FLOP utilisation (MFU), then the rate of the talk's CIFAR-10 input pipeline.
 
-    python benchmark.py --smoke                         # small ViT, CPU, about two minutes
-    python benchmark.py --batch-size 16 128             # ViT-B/16 at 224 on a GPU
+    python benchmark.py --smoke                              # small ViT, CPU, about a minute
+    python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
     python benchmark.py --smoke --scripts 01 03 --repeat 5   # median of alternating runs
+    python benchmark.py --peaks                              # the peak FLOP/s table used for MFU
 
-Each script run appends its own record (synthetic: true) to --results, so
-`python plot_results.py --synthetic` charts them.
+Speedup, here and in plot_results.py, is training throughput over 01's: images/s divided by 01's
+images/s at the same batch. "vs bare" is the script's images/s divided by the bare loop's, which
+has nothing in its loop but forward, loss, zero_grad, backward and step on one batch held on the
+device: what the harness and the data loader cost. Each script run appends its record
+(synthetic: true) to --results, so `python plot_results.py --synthetic` charts them.
 """
 import argparse
 import json
@@ -15,14 +20,32 @@ import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+import torch
 import torch.utils.data as torch_data
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[0-9][0-9]_*.py"))}
+SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("0[0-79]_*.py"))}
 PROG = "benchmark.py"
-DTYPES = {"32-true": "float32", "bf16-mixed": "bfloat16", "16-mixed": "float16"}
+WARMUP_STEPS = 3
+# Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets: A100 (2020; SXM and PCIe alike),
+# H100 SXM and PCIe (H100 data sheet, 2023), H100 NVL and H200 SXM / NVL (H200 data sheet, 2024),
+# whose tensor-core figures are printed "with sparsity" and are halved here. Lightning's table
+# holds the with-sparsity H200 figures and matches only names with "sxm1"/"nvl1" in them, so it
+# is used only for other GPUs. "fp32" is what 32-true runs on: no script switches TF32 on.
+# Matched on the name CUDA reports, first match wins ("NVIDIA H100 80GB HBM3" is the SXM card).
+PEAKS = [  # (name contains, {"fp32", "tf32", "bf16"} TFLOP/s)
+    ("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5}),
+    ("H200", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5}),
+    ("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5}),
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0}),
+    ("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}),
+]
+UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16"}  # fp16 = bf16 on these
+TALK_MEMORY_GB = {"01": 3.71, "02": 3.73, "03": 3.71, "04": 3.04}   # batch 16, one GPU
 
 
 def fail(message):
@@ -33,47 +56,72 @@ def fail(message):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
-    parser.add_argument("--scripts", nargs="+", default=["01", "03", "04", "06"], metavar="NN",
-                        help=f"scripts by number (default 01 03 04 06; known: {' '.join(SCRIPTS)})")
-    parser.add_argument("--batch-size", nargs="+", type=int, default=None, metavar="N",
-                        help="per process; several values run each script once per value "
-                             "(default 16)")
+    parser.add_argument("--scripts", nargs="+", default=["01", "03", "04", "06"], metavar="NN[@B]",
+                        help="scripts by number, @B for another batch (default 01 03 04 06; "
+                             f"known: {' '.join(SCRIPTS)})")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        help="per process, where NN@B does not say (default 16; 09: 128)")
     parser.add_argument("--max-steps", type=int, default=30, metavar="N",
                         help="training steps per run, the first 3 untimed (default 30)")
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the scripts N times, alternating, and report the median")
-    parser.add_argument("--devices", type=int, default=None, metavar="N",
-                        help="processes for the Fabric scripts (default: 1; 2 for 06 with --smoke)")
+    parser.add_argument("--devices", type=int, default=1, metavar="N",
+                        help="processes for 05-07 (default 1: DDP and FSDP2 still run)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--results", default="results/runs.jsonl", metavar="FILE",
-                        help="where the scripts append their records (default results/runs.jsonl)")
-    parser.add_argument("--peak-tflops", type=float, default=None, metavar="T",
-                        help="the device's peak TFLOP/s for MFU, where Lightning does not know it "
-                             "(CPUs, new GPUs)")
+    parser.add_argument("--results", default="results/benchmark.jsonl", metavar="FILE",
+                        help="where the scripts append their records")
+    parser.add_argument("--report", metavar="FILE", help="also write the report as Markdown")
+    parser.add_argument("--peak-tflops", nargs="+", default=[], metavar="PRECISION=T",
+                        help="the device's peak TFLOP/s per precision for MFU, e.g. "
+                             "32-true=67 bf16-mixed=989 (default: the table, see --peaks)")
+    parser.add_argument("--peaks", action="store_true", help="print the peak table and exit")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare-loop rows")
     parser.add_argument("--loader-images", type=int, default=2000, metavar="N",
                         help="images for the input-pipeline rate (0 skips it; default 2000)")
     parser.add_argument("--loader-workers", nargs="+", type=int, default=[0, 1, 2, 4],
                         metavar="N", help="worker counts to time the loader with (default 0 1 2 4)")
+    parser.add_argument("--bare-loop", nargs=5, help=argparse.SUPPRESS)  # internal: one bare run
     args = parser.parse_args(argv)
-    unknown = [s for s in args.scripts if s not in SCRIPTS]
-    if unknown:
-        parser.error(f"unknown script number(s) {' '.join(unknown)}; known: {' '.join(SCRIPTS)}")
-    for name in ("max_steps", "repeat"):
+    args.runs = []
+    for spec in args.scripts:
+        number, _, batch = spec.partition("@")
+        if number not in SCRIPTS or (batch and not batch.isdigit()):
+            parser.error(f"unknown script {spec}; known: {' '.join(SCRIPTS)} (NN or NN@BATCH)")
+        default = 128 if number == "09" else 16  # 09's recipe is batch 128
+        args.runs.append((SCRIPTS[number], int(batch) if batch else args.batch_size or default))
+    for name in ("max_steps", "repeat", "devices"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_steps <= 3:
+    if args.max_steps <= WARMUP_STEPS:
         parser.error("--max-steps must be more than the 3 untimed warm-up steps")
-    if any(b < 1 for b in args.batch_size or []):
-        parser.error("--batch-size must be at least 1")
+    try:
+        args.peak_tflops = {k: float(v) for k, v in (p.split("=", 1) for p in args.peak_tflops)}
+    except ValueError:
+        parser.error("--peak-tflops takes PRECISION=TFLOPS, e.g. 32-true=67 bf16-mixed=989")
     if args.loader_images < 0 or any(w < 0 for w in args.loader_workers):
         parser.error("--loader-images and --loader-workers must be 0 or more")
     return args
 
 
+def peak_tflops(device_name, precision, given=None):
+    """Dense peak TFLOP/s of one device for a precision: --peak-tflops, else the table above,
+    else Lightning's table (other GPUs); None where nobody knows (CPUs)."""
+    if given and precision in given:
+        return given[precision]
+    for part, peaks in PEAKS:
+        if part.lower() in device_name.lower():
+            return peaks[UNIT[precision]]
+    if not torch.cuda.is_available():
+        return None
+    from lightning.fabric.utilities.throughput import get_available_flops
+    dtype = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16}.get(precision, torch.float16)
+    flops = get_available_flops(torch.device("cuda"), dtype)
+    return flops / 1e12 if flops else None
+
+
 def flops_per_image(smoke):
-    """Training FLOPs (forward and backward) per image of the model the scripts build, counted
-    by Lightning's measure_flops on the meta device (no memory, no time)."""
-    import torch
+    """Training FLOPs (forward and backward) per image of the scripts' model, counted by
+    Lightning's measure_flops on the meta device (no memory, no time)."""
     from lightning.fabric.utilities.throughput import measure_flops
     from local_utilities import NUM_CLASSES, SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
     size = SMOKE_IMAGE_SIZE if smoke else TALK_IMAGE_SIZE
@@ -84,48 +132,88 @@ def flops_per_image(smoke):
     return measure_flops(model, lambda: model(x), lambda y: y.sum()) / 2
 
 
-def peak_flops(record, peak_tflops):
-    """The device's peak FLOP/s for the record's precision: --peak-tflops, else Lightning's table
-    (GPUs it knows); None where neither knows it."""
-    if peak_tflops:
-        return peak_tflops * 1e12
-    if record["accelerator"] != "cuda":
-        return None
-    import torch
-    from lightning.fabric.utilities.throughput import get_available_flops
-    dtype = getattr(torch, DTYPES.get(record["precision"], "float32"))
-    per_device = get_available_flops(torch.device("cuda"), dtype)
-    return per_device * record["world_size"] if per_device else None
+def common_flags(args):
+    return ["--accelerator", args.accelerator] + (["--smoke"] if args.smoke else [])
 
 
-def run_one(script, batch_size, args):
-    flags = ["--synthetic", "--max-steps", str(args.max_steps), "--results", args.results,
-             "--accelerator", args.accelerator, "--checkpoint-dir",
-             str(Path(args.results).parent / "benchmark-checkpoints" / script[:-3])]
-    if args.smoke:
-        flags.append("--smoke")
-    if batch_size:
-        flags += ["--batch-size", str(batch_size)]
-    fabric = "fabric" in script
-    devices = args.devices or (2 if args.smoke and "fsdp" in script else 1)
-    if fabric:
-        flags += ["--devices", str(devices)]
-    before = _count_lines(args.results)
+def run_script(script, batch, args):
+    flags = ["--synthetic", "--max-steps", str(args.max_steps), "--batch-size", str(batch),
+             "--results", args.results, "--save-model", str(Path(args.results).parent /
+             "benchmark-models" / f"{script[:-3]}.pt"), "--checkpoint-dir",
+             str(Path(args.results).parent / "benchmark-checkpoints" / script[:-3]),
+             *common_flags(args)]
+    if script[:2] in ("05", "06", "07"):
+        flags += ["--devices", str(args.devices)]
+    before = len(read_lines(args.results))
     print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
     proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True,
                           text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
         fail(f"{script} failed (exit {proc.returncode}):\n{tail}")
-    lines = Path(args.results).read_text().splitlines()[before:]
-    return json.loads(lines[-1])
+    return json.loads(read_lines(args.results)[before:][-1])
 
 
-def _count_lines(path):
+def read_lines(path):
     try:
-        return len(Path(path).read_text().splitlines())
+        return Path(path).read_text().splitlines()
     except FileNotFoundError:
-        return 0
+        return []
+
+
+def run_bare(record, args):
+    """The bare loop in a process of its own, as the script's record says it ran."""
+    spec = [record["precision"], record["strategy"], str(record["world_size"]),
+            str(record["batch_size"]), str(args.max_steps)]
+    print(f"running the bare loop {' '.join(spec)}", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--bare-loop", *spec,
+                           *common_flags(args)], capture_output=True, text=True)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("BARE ")]
+    if proc.returncode != 0 or not found:
+        fail(f"the bare loop failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
+    return json.loads(found[-1][5:])
+
+
+def bare_loop(args):
+    """Nothing but forward, loss, zero_grad, backward and step, on one batch of random images
+    held on the device; timed after 3 steps, with one synchronisation at each end."""
+    import lightning as L
+    import torch.nn.functional as F
+    from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit, fsdp_each_encoder_block
+    from run_keeping import peak_memory_gb
+    precision, strategy, devices, batch, steps = args.bare_loop
+    devices, batch, steps = int(devices), int(batch), int(steps)
+    strategy = {"single-device": "auto", "ddp": "ddp"}.get(strategy) or \
+        L.fabric.strategies.ModelParallelStrategy(fsdp_each_encoder_block, devices, 1)
+    accelerator = "cpu" if args.smoke else args.accelerator
+    fabric = L.Fabric(accelerator=accelerator, devices=devices, precision=precision, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(123)
+    model = build_vit(None, argparse.Namespace(smoke=args.smoke, synthetic=True))
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+    size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
+    features = torch.rand(batch, 3, size, size, device=fabric.device)
+    targets = torch.randint(0, 10, (batch,), device=fabric.device)
+    cuda = fabric.device.type == "cuda"
+    for step in range(steps):
+        if step == WARMUP_STEPS:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+        loss = F.cross_entropy(model(features), targets)
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")
+    images = (steps - WARMUP_STEPS) * batch * fabric.world_size
+    memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
+    fabric.print("BARE " + json.dumps({"images_per_s": images / float(seconds),
+                                        "peak_memory_gb": float(memory)}))
 
 
 class Cifar10Shaped(torch_data.Dataset):
@@ -152,8 +240,7 @@ def loader_rates(num_images, workers, batch_size=16):
     dataset = Cifar10Shaped(num_images, talk_transforms())
     rates = {}
     for w in workers:
-        loader = torch_data.DataLoader(dataset, batch_size=batch_size, num_workers=w)
-        iterator = iter(loader)
+        iterator = iter(torch_data.DataLoader(dataset, batch_size=batch_size, num_workers=w))
         next(iterator)
         start, seen = time.perf_counter(), 0
         for features, _ in iterator:
@@ -162,56 +249,162 @@ def loader_rates(num_images, workers, batch_size=16):
     return rates
 
 
-def table(rows, flops, args):
-    lines = [f"{'script':<34} {'batch':>5} {'precision':>10} {'devices':>7} {'images/s':>9} "
-             f"{'vs 01':>6} {'memory GB':>9} {'MFU':>6}"]
-    base = {r["batch_size"]: r["images_per_s"] for r in rows if r["script"].startswith("01")}
+def resize_rate(num_images, device, batch_size=128):
+    """Images/s of 09's input pipeline: uint8 images already on the device, indexed, turned to
+    floats and resized to 224 there (local_utilities.resize_on_device)."""
+    from local_utilities import resize_on_device
+    images = torch.randint(0, 256, (num_images, 3, 32, 32), dtype=torch.uint8, device=device)
+    resize_on_device(images[:batch_size])  # warm-up
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(0, num_images, batch_size):
+        resize_on_device(images[i:i + batch_size])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return num_images / (time.perf_counter() - start)
+
+
+def rows_of(runs, bares, flops, args):
+    rows = []
+    base = {r["batch_size"]: r["images_per_s"] for r in runs if r["script"].startswith("01")}
+    for r in runs:
+        bare = bares.get(bare_key(r))
+        peak = peak_tflops(r["device_name"], r["precision"], args.peak_tflops)
+        rows.append({
+            "script": r["script"], "batch": r["batch_size"], "precision": r["precision"],
+            "strategy": r["strategy"], "devices": r["world_size"], "images_per_s": r["images_per_s"],
+            "vs_01": r["images_per_s"] / base[r["batch_size"]] if base.get(r["batch_size"]) else None,
+            "vs_bare": r["images_per_s"] / bare["images_per_s"] if bare else None,
+            "memory_gb": r["peak_memory_gb"],
+            "mfu": r["images_per_s"] * flops / (peak * 1e12 * r["world_size"]) if peak else None})
+        if bare:
+            rows.append({"script": "bare loop", "batch": r["batch_size"], "precision": r["precision"],
+                         "strategy": r["strategy"], "devices": r["world_size"],
+                         "images_per_s": bare["images_per_s"], "vs_01": None, "vs_bare": 1.0,
+                         "memory_gb": bare["peak_memory_gb"],
+                         "mfu": bare["images_per_s"] * flops / (peak * 1e12 * r["world_size"]) if peak else None})
+    seen, unique = set(), []
+    for row in rows:  # one bare row per configuration, after the first script that uses it
+        key = (row["script"], row["batch"], row["precision"], row["strategy"], row["devices"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(row)
+    return unique
+
+
+def bare_key(record):
+    return (record["precision"], record["strategy"], record["world_size"], record["batch_size"])
+
+
+def fmt(value, pattern):
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown_table(rows):
+    lines = ["| script | batch | precision | strategy | devices | images/s | vs 01 | vs bare | "
+             "peak memory GB | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        peak = peak_flops(r, args.peak_tflops)
-        mfu = f"{r['images_per_s'] * flops / peak * 100:.1f}%" if peak else "n/a"
-        speedup = (f"{r['images_per_s'] / base[r['batch_size']]:.2f}x"
-                   if base.get(r["batch_size"]) else "-")
-        lines.append(f"{r['script']:<34} {r['batch_size']:>5} {r['precision']:>10} "
-                     f"{r['world_size']:>7} {r['images_per_s']:>9.1f} {speedup:>6} "
-                     f"{r['peak_memory_gb']:>9.2f} {mfu:>6}")
-    return "\n".join(lines)
+        lines.append(f"| {r['script']} | {r['batch']} | {r['precision']} | {r['strategy']} | "
+                     f"{r['devices']} | {r['images_per_s']:.1f} | {fmt(r['vs_01'], '{:.2f}x')} | "
+                     f"{fmt(r['vs_bare'], '{:.2f}')} | {r['memory_gb']:.2f} | "
+                     f"{fmt(r['mfu'] and r['mfu'] * 100, '{:.1f}%')} |")
+    return lines
+
+
+def talk_comparison(rows, reference):
+    """Ours beside the talk's, where comparable without the data set: batch 16, one device."""
+    ours = {r["script"][:2]: r for r in rows if r["script"][:2].isdigit() and r["batch"] == 16
+            and r["devices"] == 1}
+    talk01 = reference["01_pytorch-vit.py"]["time_min"]
+    lines = ["| script | speedup over 01 (ours, images/s) | talk (training time) | "
+             "peak memory GB (ours) | talk |", "|---|---|---|---|---|"]
+    for number in ("01", "02", "03", "04"):
+        if number in ours:
+            talk = reference[SCRIPTS[number]]
+            lines.append(f"| {SCRIPTS[number]} | {fmt(ours[number]['vs_01'], '{:.2f}x')} | "
+                         f"{talk01 / talk['time_min']:.2f}x | {ours[number]['memory_gb']:.2f} | "
+                         f"{TALK_MEMORY_GB[number]:.2f} |")
+    return lines
 
 
 def main(argv=None):
     args = parse_args(argv)
-    scripts = [SCRIPTS[s] for s in args.scripts]
+    if args.bare_loop:
+        return bare_loop(args)
+    if args.peaks:
+        print("Dense peak TFLOP/s used for MFU (NVIDIA data sheets, sparsity figures halved):")
+        print(f"{'name contains':<14} {'FP32':>6} {'TF32':>7} {'BF16/FP16':>10}")
+        for part, p in PEAKS:
+            print(f"{part:<14} {p['fp32']:>6.1f} {p['tf32']:>7.1f} {p['bf16']:>10.1f}")
+        print("32-true uses FP32 (no script switches TF32 on); bf16-mixed and 16-mixed use "
+              "BF16/FP16. Other GPUs: Lightning's table. --peak-tflops overrides.")
+        return
     flops = flops_per_image(args.smoke)
-    runs = {}  # (script, batch) -> [records]
+    runs = {}
     for _ in range(args.repeat):  # alternating, so drift on the machine hits every script alike
-        for batch in args.batch_size or [None]:
-            for script in scripts:
-                runs.setdefault((script, batch), []).append(run_one(script, batch, args))
-    rows = []
-    for records in runs.values():
-        row = dict(records[-1])
-        row["images_per_s"] = statistics.median(r["images_per_s"] for r in records)
-        row["peak_memory_gb"] = max(r["peak_memory_gb"] for r in records)
-        rows.append(row)
-    first = rows[0]
-    size = "32x32 smoke ViT" if args.smoke else "ViT-B/16 at 224x224"
-    print(f"\nSynthetic-data training throughput: {size}, {args.max_steps} steps per run "
-          f"(3 untimed), median of {args.repeat}, on {first['device_name']}, "
-          f"torch {first['torch']}, lightning {first['lightning']}")
-    print(f"Model FLOPs per training image: {flops / 1e9:.3f} GFLOP "
-          "(Lightning's measure_flops, forward + backward)")
-    print(table(rows, flops, args))
+        for script, batch in args.runs:
+            runs.setdefault((script, batch), []).append(run_script(script, batch, args))
+    records = []
+    for group in runs.values():
+        record = dict(group[-1])
+        record["images_per_s"] = statistics.median(r["images_per_s"] for r in group)
+        record["peak_memory_gb"] = max(r["peak_memory_gb"] for r in group)
+        records.append(record)
+    bares = {}
+    if not args.no_bare:
+        for record in records:
+            if bare_key(record) not in bares:
+                bares[bare_key(record)] = run_bare(record, args)
+    rows = rows_of(records, bares, flops, args)
+    first = records[0]
+    size = "the 3-layer smoke ViT at 32x32" if args.smoke else "ViT-B/16 at 224x224"
+    report = [f"Synthetic-data training throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
+              f"UTC: {size}, {args.max_steps} steps per run (3 untimed), median of "
+              f"{args.repeat}, on {first['device_name']}; torch {first['torch']}, torchvision "
+              f"{first['torchvision']}, lightning {first['lightning']}.",
+              f"Model FLOPs per training image: {flops / 1e9:.3f} GFLOP (Lightning's "
+              "measure_flops, forward + backward). Speedup (vs 01): images/s over 01's at the "
+              "same batch; vs bare: over the bare loop's.", "", *markdown_table(rows)]
+    if not args.smoke:
+        from plot_results import load_reference
+        report += ["", "Beside the talk's published figures (batch 16, one device; the talk's "
+                   "speedup is from training time, ours from images/s on synthetic data):", "",
+                   *talk_comparison(rows, load_reference())]
     if args.loader_images:
         rates = loader_rates(args.loader_images, args.loader_workers)
-        print(f"\nThe talk's CIFAR-10 input pipeline (PIL Resize to 224 + ToTensor), "
-              f"{args.loader_images} images of 32x32:")
-        for workers, rate in rates.items():
-            print(f"  {workers} workers: {rate:8.1f} images/s" if rate else
-                  f"  {workers} workers: too few images to time")
-        fastest = max(r["images_per_s"] for r in rows)
-        print(f"  fastest training rate above: {fastest:.1f} images/s"
-              + (" (the smoke model does not use this pipeline)" if args.smoke else ""))
-    print(f"\nRecords appended to {args.results} (plot with: python plot_results.py "
-          f"--synthetic --results {args.results})")
+        fastest = max(rows, key=lambda r: r["images_per_s"])
+        talk04 = next((r for r in rows if r["script"].startswith("04") and r["batch"] == 16), None)
+        report += ["", f"The talk's CIFAR-10 input pipeline (PIL Resize to 224 + ToTensor, "
+                   f"{args.loader_images} images of 32x32, batch 16), on "
+                   f"{torch.get_num_threads()} CPU threads:", ""]
+        report += [f"- {w} workers: {fmt(rate, '{:.0f}')} images/s" for w, rate in rates.items()]
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        report.append(f"- 09's pipeline, uint8 images resized on the {device.type.upper()} "
+                      f"(batch 128): {resize_rate(args.loader_images, device):.0f} images/s")
+        report.append(f"- fastest training rate above: {fastest['images_per_s']:.0f} images/s "
+                      f"({fastest['script']}, batch {fastest['batch']})")
+        if talk04 and 4 in rates and rates[4] and not args.smoke:
+            waits = "yes" if rates[4] < talk04["images_per_s"] else "no"
+            report.append(f"- does the talk's 04 (batch 16, {talk04['images_per_s']:.0f} images/s) "
+                          f"wait for its 4 loader workers ({rates[4]:.0f} images/s)? {waits}")
+    fast = {r["batch"]: r for r in rows if r["script"].startswith("09")}
+    talk04 = {r["batch"]: r for r in rows if r["script"].startswith("04")}
+    for batch, row in fast.items():
+        best04 = talk04.get(16) or talk04.get(batch)
+        if best04:
+            report.append("")
+            report.append(f"09 (batch {batch}) against 04 (batch {best04['batch']}, the talk's): "
+                          f"{row['images_per_s'] / best04['images_per_s']:.2f}x the images/s; "
+                          f"{fmt(row['vs_bare'], '{:.2f}')} of its bare loop.")
+    text = "\n".join(report)
+    print("\n" + text)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(text + "\n")
+        print(f"\nReport written to {args.report}")
+    print(f"Records appended to {args.results} (plot with: python plot_results.py --synthetic "
+          f"--results {args.results})")
 
 
 if __name__ == "__main__":

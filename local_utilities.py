@@ -26,9 +26,7 @@ SMOKE_SPLIT = (240, 360)     # digits held out for validation and test (1,197 le
 SYNTHETIC_STEPS = 20         # --synthetic trains this many steps (one epoch) unless --max-steps
 
 
-# ----------------------------------------------------------------------------------------------
-# Flags
-# ----------------------------------------------------------------------------------------------
+# -- Flags ----------------------------------------------------------------------------------------
 def _at_least(minimum):
     def check(text):
         value = int(text)
@@ -38,24 +36,24 @@ def _at_least(minimum):
     return check
 
 
-def parse_args(epochs, devices=None):
+def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=SMOKE_EPOCHS):
     """The flags, checked before any work starts; `auto` becomes `cuda` or `cpu`. `devices`
-    given: the Fabric scripts' --devices and --num-nodes with that default. The script's own
-    docstring opens its --help."""
+    given: the Fabric scripts' --devices and --num-nodes with that default."""
     script = Path(sys.argv[0]).name
     parser = argparse.ArgumentParser(description=describe(script))
     add = parser.add_argument
     add("--smoke", action="store_true", help="offline demo: a small ViT from random init on "
-        "scikit-learn's 8x8 digits (32x32), on the CPU; under a minute on 2 cores for most "
-        "scripts, up to 2.5 minutes for 02 and 05-07")
+        "scikit-learn's 8x8 digits (32x32), on the CPU; under a minute on 2 cores (02 spends "
+        "about 40 s of it compiling)")
     add("--synthetic", action="store_true", help="random images and labels of the run's shape, "
         "random init, nothing downloaded: for throughput and memory (no accuracy)")
     add("--max-steps", type=_at_least(1), metavar="N",
         help=f"train N batches per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch)")
     add("--epochs", type=_at_least(1), metavar="N", help=f"default {epochs} (--smoke: "
-        f"{SMOKE_EPOCHS}, --synthetic: 1)")
-    add("--batch-size", type=_at_least(1), metavar="N", help="per process (default 16, the "
-        "talk's; --smoke: 16 divided among the processes)")
+        f"{smoke_epochs}, --synthetic: 1)")
+    add("--batch-size", type=_at_least(1), metavar="N", help=f"per process (default {batch_size}"
+        f"{', the talk' + chr(39) + 's' if batch_size == 16 else ''}; --smoke: 16 divided among "
+        "the processes)")
     add("--num-workers", type=_at_least(0), default=4, metavar="N",
         help="data loader processes (default 4)")
     add("--data-dir", default="data", metavar="DIR", help="where CIFAR-10 is, or goes")
@@ -95,11 +93,11 @@ def parse_args(epochs, devices=None):
                        f"(--devices {args.devices}) but this machine has {cuda_count}.\n")
     args.world_size = args.devices * args.num_nodes
     if args.epochs is None:
-        args.epochs = SMOKE_EPOCHS if args.smoke else 1 if args.synthetic else epochs
+        args.epochs = smoke_epochs if args.smoke else 1 if args.synthetic else epochs
     if args.synthetic and args.max_steps is None:
         args.max_steps = SYNTHETIC_STEPS
     if args.batch_size is None:
-        args.batch_size = max(1, SMOKE_GLOBAL_BATCH // args.world_size) if args.smoke else 16
+        args.batch_size = max(1, SMOKE_GLOBAL_BATCH // args.world_size) if args.smoke else batch_size
     args.checkpoint_dir = args.checkpoint_dir or os.path.join("checkpoints", Path(script).stem + suffix)
     args.save_model = args.save_model or os.path.join("models", Path(script).stem + suffix + ".pt")
     for flag, path in (("--results", args.results), ("--save-model", args.save_model)):
@@ -120,9 +118,7 @@ def describe(script):
     return " ".join((sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0].split())
 
 
-# ----------------------------------------------------------------------------------------------
-# Data
-# ----------------------------------------------------------------------------------------------
+# -- Data -----------------------------------------------------------------------------------------
 def talk_transforms():
     """The talk's transform for every split: resize to 224x224, to a tensor in [0, 1]."""
     from torchvision import transforms
@@ -130,10 +126,19 @@ def talk_transforms():
                                transforms.ToTensor()])
 
 
+def resize_on_device(images, size=TALK_IMAGE_SIZE):
+    """The talk's transform on a batch already on the device (09): uint8 N x 3 x 32 x 32 to
+    floats in [0, 1], bilinear to size x size; within 1/255 of Resize + ToTensor (PIL rounds)."""
+    images = images.float().div_(255)
+    if images.shape[-1] == size:
+        return images
+    return torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear",
+                                           align_corners=False)
+
+
 def get_dataloaders(args):
-    """(train, val, test) loaders: CIFAR-10 as in the talk; --smoke the digits; --synthetic
-    random data. Only training shuffles and drops the last incomplete batch. --max-steps N keeps
-    the first N batches' worth of training images per process."""
+    """(train, val, test) loaders: CIFAR-10 as in the talk, the --smoke digits or --synthetic
+    data; training shuffles and drops its last partial batch; --max-steps N keeps N batches."""
     if args.synthetic:
         train, val, test = synthetic_datasets(args)
     elif args.smoke:
@@ -201,9 +206,7 @@ def synthetic_datasets(args):
     return make(args.max_steps * per_step), make(per_step), make(per_step)
 
 
-# ----------------------------------------------------------------------------------------------
-# Model
-# ----------------------------------------------------------------------------------------------
+# -- Model ----------------------------------------------------------------------------------------
 def build_vit(weights, args):
     """torchvision's vit_b_16(weights=weights): None or "IMAGENET1K_V1", downloaded into torch's
     hub cache when not there. --smoke: a small ViT for 32x32 images (3 layers, width 128,
@@ -241,9 +244,7 @@ def fsdp_each_encoder_block(model, device_mesh):
     return fully_shard(model, mesh=device_mesh["data_parallel"], mp_policy=policy)
 
 
-# ----------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------
+# -- Evaluation -----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Accuracy (a fraction) over the whole loader. Under several processes each sees its own

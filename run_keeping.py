@@ -167,7 +167,7 @@ class RunKeeper:
             first_line = (str(err).strip().splitlines() or [""])[0]
             fail(f"--resume: cannot load {path} ({type(err).__name__}: {first_line})")
         progress = state["progress"]
-        if self.fabric and self.world_size > 1:
+        if hasattr(getattr(train_loader, "sampler", None), "set_epoch") and self.world_size > 1:
             # Fabric's loader sets the distributed sampler's epoch from the number of times it
             # was iterated: start it once per finished epoch (the random states follow below).
             for _ in range(progress["epochs_done"]):

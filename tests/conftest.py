@@ -232,3 +232,19 @@ def smoke_runs(tmp_path_factory):
             raise runs[script].failure
         return runs[script]
     return get
+
+
+def write_random_cifar10(root, num_train=50, num_test=10, seed=0):
+    """CIFAR-10 in its real on-disk format with random pixels (for comparing resizes)."""
+    rng = np.random.RandomState(seed)
+    folder = Path(root) / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    per_batch = num_train // 5
+    for name, n in [*[(f"data_batch_{i}", per_batch) for i in range(1, 6)], ("test_batch", num_test)]:
+        batch = {"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
+                 "labels": [int(v) for v in rng.randint(0, 10, size=n)], "batch_label": name}
+        with open(folder / name, "wb") as f:
+            pickle.dump(batch, f)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog",
+                                     "frog", "horse", "ship", "truck"]}, f)

@@ -1,15 +1,12 @@
-"""Synthetic mode and benchmark.py: the table is the records' numbers, FLOPs are ViT-B/16's."""
+"""benchmark.py and gpu_check.sh: MFU from the right peaks, the table from the records, the bare
+loop beside each configuration, and the one GPU command at smoke size."""
 import re
 import subprocess
-import sys
 
 import pytest
 
 import benchmark
 from conftest import ROOT, read_records, script_env
-
-ROW = re.compile(r"^(\d\d_\S+\.py)\s+(\d+)\s+(\S+)\s+(\d+)\s+([\d.]+)\s+(\S+)\s+([\d.]+)\s+(\S+)$",
-                 re.M)
 
 
 def test_vit_b_16_training_flops_match_the_known_figure():
@@ -17,42 +14,90 @@ def test_vit_b_16_training_flops_match_the_known_figure():
     assert 104e9 < benchmark.flops_per_image(smoke=False) < 106e9
 
 
-def test_benchmark_smoke_table_comes_from_the_synthetic_records(tmp_path):
-    results = tmp_path / "bench.jsonl"
-    cmd = [sys.executable, str(ROOT / "benchmark.py"), "--smoke", "--scripts", "01", "04",
-           "--max-steps", "8", "--peak-tflops", "1", "--loader-images", "96",
-           "--loader-workers", "0", "1", "--results", str(results)]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=script_env(tmp_path), capture_output=True,
-                          text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = read_records(results)
-    assert [r["script"] for r in records] == ["01_pytorch-vit.py",
-                                              "04_fabric-vit-mixed-precision.py"]
-    for r in records:
-        assert r["synthetic"] is True and r["test_acc"] is None and r["val_acc"] is None
-        assert r["steps"] == 8 and r["images_per_s"] > 0 and r["peak_memory_gb"] > 0
-    rows = {m[0]: m[1:] for m in ROW.findall(proc.stdout)}
-    assert list(rows) == [r["script"] for r in records]
-    flops = benchmark.flops_per_image(smoke=True)
-    base = records[0]["images_per_s"]
-    for r in records:
-        batch, precision, devices, ips, speedup, memory, mfu = rows[r["script"]]
-        assert (int(batch), precision, int(devices)) == (r["batch_size"], r["precision"], 1)
-        assert float(ips) == pytest.approx(r["images_per_s"], abs=0.05)
-        assert speedup == f"{r['images_per_s'] / base:.2f}x"
-        assert memory == f"{r['peak_memory_gb']:.2f}"
-        assert mfu == f"{r['images_per_s'] * flops / 1e12 * 100:.1f}%"
-    assert "0 workers:" in proc.stdout and "1 workers:" in proc.stdout
-    assert not (tmp_path / "data").exists()  # synthetic: nothing downloaded or read
+@pytest.mark.parametrize("name, precision, expected", [
+    ("NVIDIA H200", "bf16-mixed", 989.5),        # Lightning: missing, or 2x (sparsity)
+    ("NVIDIA H200", "32-true", 67.0),
+    ("NVIDIA H200 NVL", "bf16-mixed", 835.5),
+    ("NVIDIA H100 80GB HBM3", "bf16-mixed", 989.5),  # the SXM card's name
+    ("NVIDIA H100 PCIe", "32-true", 51.0),
+    ("NVIDIA H100 NVL", "16-mixed", 835.5),
+    ("NVIDIA A100-SXM4-80GB", "bf16-mixed", 312.0),
+    ("NVIDIA A100 80GB PCIe", "32-true", 19.5),
+])
+def test_dense_peaks_by_the_name_cuda_reports(name, precision, expected):
+    assert benchmark.peak_tflops(name, precision) == expected
+
+
+def test_peak_tflops_per_precision_overrides_the_table():
+    args = benchmark.parse_args(["--peak-tflops", "32-true=60", "bf16-mixed=800"])
+    assert benchmark.peak_tflops("NVIDIA H200", "bf16-mixed", args.peak_tflops) == 800
+    assert benchmark.peak_tflops("NVIDIA H200", "32-true", args.peak_tflops) == 60
+    assert benchmark.peak_tflops("CPU Xeon", "32-true", {}) is None  # no GPU here: no MFU
+
+
+def test_mfu_and_ratios_in_the_rows():
+    args = benchmark.parse_args([])
+    runs = [{"script": "01_pytorch-vit.py", "batch_size": 16, "precision": "32-true",
+             "strategy": "single-device", "world_size": 1, "images_per_s": 100.0,
+             "peak_memory_gb": 3.7, "device_name": "NVIDIA H200"},
+            {"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16,
+             "precision": "bf16-mixed", "strategy": "single-device", "world_size": 1,
+             "images_per_s": 300.0, "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"}]
+    bares = {benchmark.bare_key(runs[1]): {"images_per_s": 400.0, "peak_memory_gb": 2.9}}
+    rows = benchmark.rows_of(runs, bares, 105e9, args)
+    assert [r["script"] for r in rows] == ["01_pytorch-vit.py", "04_fabric-vit-mixed-precision.py",
+                                           "bare loop"]
+    assert rows[1]["vs_01"] == 3.0 and rows[1]["vs_bare"] == 0.75
+    assert rows[1]["mfu"] == pytest.approx(300 * 105e9 / 989.5e12)
+    assert rows[0]["mfu"] == pytest.approx(100 * 105e9 / 67e12) and rows[0]["vs_bare"] is None
+
+
+def test_peaks_command_prints_the_table(tmp_path):
+    proc = subprocess.run(["python", str(ROOT / "benchmark.py"), "--peaks"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    assert re.search(r"^H200\s+67\.0\s+494\.5\s+989\.5$", proc.stdout, re.M)
 
 
 def test_benchmark_rejects_unknown_scripts(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--scripts", "09"],
+    proc = subprocess.run(["python", str(ROOT / "benchmark.py"), "--scripts", "11"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown script number(s) 09" in proc.stderr
+    assert proc.returncode == 2 and "unknown script 11" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_loader_rate_is_measured():
     rates = benchmark.loader_rates(48, [0])
     assert rates[0] > 0
+
+
+ROW = re.compile(r"^\| (\S+(?: loop)?) \| (\d+) \| (\S+) \| (\S+) \| (\d+) \| ([\d.]+) \| (\S+) \| "
+                 r"(\S+) \| ([\d.]+) \| (\S+) \|$", re.M)
+
+
+@pytest.mark.slow
+def test_gpu_check_at_smoke_size(tmp_path):
+    """`bash gpu_check.sh --smoke`: every training script, the bare loops and the report, with
+    the table's figures taken from the records."""
+    env = script_env(tmp_path, GPU_CHECK_DIR=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "--smoke"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = (tmp_path / "out" / "gpu-check.md").read_text()
+    assert report.startswith("## GPU check, ") and "no NVIDIA GPU" in report
+    records = read_records(tmp_path / "out" / "gpu-check.jsonl")
+    assert [r["script"][:2] for r in records] == ["01", "02", "03", "04", "05", "06", "07", "09",
+                                                  "01", "04"]
+    assert all(r["synthetic"] and r["test_acc"] is None for r in records)
+    rows = ROW.findall(report)
+    scripts = [r for r in rows if r[0] != "bare"]
+    bare = [r for r in rows if r[0] == "bare"]
+    assert len(scripts) == len(records) and len(bare) >= 5
+    for row, record in zip(scripts, records):
+        assert (row[0], int(row[1]), row[2]) == (record["script"], record["batch_size"],
+                                                 record["precision"])
+        assert float(row[5]) == pytest.approx(record["images_per_s"], abs=0.06)
+        assert row[7] != "-"  # every script has its bare loop to compare with
+    base = {r["batch_size"]: r["images_per_s"] for r in records if r["script"][:2] == "01"}
+    assert scripts[3][6] == f"{records[3]['images_per_s'] / base[16]:.2f}x"
+    assert "workers:" in report and "fastest training rate above" in report

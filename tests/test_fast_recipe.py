@@ -1,0 +1,76 @@
+"""09, the fast recipe: the same images as the talk's transform, data shared out on the device,
+and its --smoke run."""
+import argparse
+import os
+import runpy
+import types
+
+import pytest
+import torch
+
+import local_utilities as lu
+from conftest import ROOT, read_records, run_script, write_random_cifar10
+
+FAST = "09_fabric-vit-fast.py"
+# PIL's bilinear resize rounds to uint8 (ToTensor divides by 255 afterwards); torch's works in
+# floats: the two differ by less than one intensity level. Measured on random images: 0.0034.
+ONE_LEVEL = 1 / 255
+
+
+@pytest.fixture
+def fast():
+    return runpy.run_path(str(ROOT / FAST), run_name="fast_recipe")
+
+
+@pytest.fixture
+def random_cifar(tmp_path, monkeypatch):
+    import torchvision.datasets.cifar as cifar
+    monkeypatch.setattr(cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
+    write_random_cifar10(tmp_path / "data")
+    return tmp_path / "data"
+
+
+def test_the_device_side_resize_gives_the_talks_images(fast, random_cifar):
+    args = argparse.Namespace(smoke=False, synthetic=False, data_dir=str(random_cifar),
+                              no_download=True, max_steps=None, batch_size=16, world_size=1)
+    splits = fast["uint8_splits"](args)
+    train, val, test = lu.cifar10_datasets(str(random_cifar), download=False)  # the talk's
+    for name, talk in (("train", train), ("val", val), ("test", test)):
+        images, labels = splits[name]
+        assert len(images) == len(talk) and images.dtype == torch.uint8
+        ours = lu.resize_on_device(images)
+        theirs = torch.stack([talk[i][0] for i in range(len(talk))])
+        assert ours.shape == theirs.shape == (len(talk), 3, 224, 224)
+        assert (ours - theirs).abs().max() < ONE_LEVEL, name
+        assert labels.tolist() == [talk[i][1] for i in range(len(talk))]
+
+
+def test_device_data_shares_each_epoch_out_among_the_processes(fast):
+    split = (torch.arange(40, dtype=torch.uint8).view(40, 1, 1, 1).expand(40, 3, 32, 32).clone(),
+             torch.arange(40))
+
+    def batches(rank, epoch):
+        fabric = types.SimpleNamespace(device=torch.device("cpu"), world_size=2, global_rank=rank)
+        data = fast["DeviceData"](split, fabric, batch_size=4, size=32, train=True, seed=123)
+        assert len(data) == 5
+        return [labels.tolist() for _, labels in data.epoch(epoch)]
+    ranks = [sum(batches(rank, 0), []) for rank in (0, 1)]
+    assert sorted(ranks[0] + ranks[1]) == list(range(40))  # each image once, in one process
+    assert batches(0, 0) == batches(0, 0) and batches(0, 1) != batches(0, 0)  # seeded by epoch
+
+
+def test_warm_up_then_cosine(fast):
+    schedule = fast["warmup_then_cosine"](100)
+    assert schedule(0) == pytest.approx(0.2) and schedule(4) == pytest.approx(1.0)
+    assert schedule(52) == pytest.approx(0.5, abs=0.02) and schedule(99) < 0.01
+
+
+@pytest.mark.slow
+def test_fast_recipe_smoke_run(tmp_path):
+    proc = run_script(FAST, "--smoke", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert record["test_acc"] >= 0.90 and record["precision"] == "bf16-mixed"
+    lr = record["lr"]  # each epoch's first step: warming up, then decaying
+    assert lr[0] < lr[1] and all(a > b for a, b in zip(lr[1:], lr[2:])), lr
+    assert proc.wall_s <= 60, f"took {proc.wall_s:.0f} s"
