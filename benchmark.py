@@ -394,7 +394,8 @@ def main(argv=None):
         best04 = talk04.get(16) or talk04.get(batch)
         if best04:
             report.append("")
-            report.append(f"09 (batch {batch}) against 04 (batch {best04['batch']}, the talk's): "
+            talks = ", the talk's" if best04["batch"] == 16 else ""
+            report.append(f"09 (batch {batch}) against 04 (batch {best04['batch']}{talks}): "
                           f"{row['images_per_s'] / best04['images_per_s']:.2f}x the images/s; "
                           f"{fmt(row['vs_bare'], '{:.2f}')} of its bare loop.")
     text = "\n".join(report)

@@ -49,8 +49,8 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=SMOKE_EPOCHS):
         "random init, nothing downloaded: for throughput and memory (no accuracy)")
     add("--max-steps", type=_at_least(1), metavar="N",
         help=f"train N batches per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch)")
-    add("--epochs", type=_at_least(1), metavar="N", help=f"default {epochs} (--smoke: "
-        f"{smoke_epochs}, --synthetic: 1)")
+    add("--epochs", type=_at_least(1), metavar="N", help=f"default {epochs} (--synthetic: 1, "
+        f"--smoke: {smoke_epochs})")
     add("--batch-size", type=_at_least(1), metavar="N", help=f"per process (default {batch_size}"
         f"{', the talk' + chr(39) + 's' if batch_size == 16 else ''}; --smoke: 16 divided among "
         "the processes)")
@@ -93,7 +93,7 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=SMOKE_EPOCHS):
                        f"(--devices {args.devices}) but this machine has {cuda_count}.\n")
     args.world_size = args.devices * args.num_nodes
     if args.epochs is None:
-        args.epochs = smoke_epochs if args.smoke else 1 if args.synthetic else epochs
+        args.epochs = 1 if args.synthetic else smoke_epochs if args.smoke else epochs
     if args.synthetic and args.max_steps is None:
         args.max_steps = SYNTHETIC_STEPS
     if args.batch_size is None:

@@ -80,7 +80,9 @@ def read_records(path, known):
             warn(f"{path}:{number}: record lacks {', '.join(missing)}, skipped")
             continue
         if record["script"] not in known:
-            warn(f"{path}:{number}: unknown script {record['script']!r}, skipped")
+            why = ("not in the talk, so not charted (benchmark.py compares it)"
+                   if (ROOT / str(record["script"])).exists() else "skipped")
+            warn(f"{path}:{number}: unknown script {record['script']!r}, {why}")
             continue
         records.append(record)
     return records
@@ -150,8 +152,8 @@ def hardware(latest):
     return "; ".join(parts)
 
 
-SPEEDUP = ("speedup: training images/s over 01's (the talk's, and runs without a throughput: "
-           "01's training time over the script's)")
+SPEEDUP = ("speedup: training images/s over 01's; for the talk and for runs without a "
+           "throughput: 01's training time over the script's")
 
 
 def speedup(record, baseline):
@@ -243,7 +245,8 @@ def figure(latest, reference, kind):
                  "(1 GPU; 4 GPUs for 05-07)", fontsize=9)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
-    fig.tight_layout(rect=(0, 0.025, 1, 1))
+    lines = headline.count("\n") + 2
+    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.014 * lines))  # room for the headline
     return fig
 
 

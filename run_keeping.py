@@ -83,6 +83,7 @@ class RunKeeper:
             fall_back_from_bf16(fabric)
         for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
             signal.signal(sig, lambda signum, frame, code=code: self._on_signal(signum, code))
+        sys.excepthook = self._on_uncaught
         self.start_epoch, self.resumed, self.steps = 0, False, 0
         self.train_loss, self.val_acc, self.lr = [], [], []
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
@@ -114,6 +115,26 @@ class RunKeeper:
             print(f"\n{self.args.script}: interrupted ({signal.Signals(signum).name}); {where}",
                   file=sys.stderr, flush=True)
         raise SystemExit(code)
+
+    def _on_uncaught(self, kind, err, traceback):
+        """Errors a user can act on, in one line instead of a traceback: torch.compile without a
+        working C++ compiler (exit 2), a GPU out of memory (exit 1). Anything else: as usual."""
+        first_line = (str(err).strip().splitlines() or [kind.__name__])[0]
+        if kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
+            instead = ("python 01_pytorch-vit.py, the same lesson without it" if
+                       self.args.script.startswith("02") else "the script without its "
+                       "torch.compile line")
+            message, code = (f"torch.compile could not compile the model ({first_line}). On a "
+                             "CPU it needs a working C++ compiler: install g++ (or point CXX at "
+                             f"one), or run without compiling: {instead}."), 2
+        elif issubclass(kind, torch.OutOfMemoryError):
+            message, code = (f"the GPU ran out of memory at --batch-size {self.args.batch_size} "
+                             f"({first_line[:120]}): try a smaller --batch-size."), 1
+        else:
+            return sys.__excepthook__(kind, err, traceback)
+        print(f"{self.args.script}: error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)  # an excepthook cannot choose the exit code otherwise
 
     # -- checkpoints and --resume ---------------------------------------------------------------
     def _check_checkpoint_folder(self):

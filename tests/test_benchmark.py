@@ -90,8 +90,8 @@ def test_gpu_check_at_smoke_size(tmp_path):
                                                   "01", "04"]
     assert all(r["synthetic"] and r["test_acc"] is None for r in records)
     rows = ROW.findall(report)
-    scripts = [r for r in rows if r[0] != "bare"]
-    bare = [r for r in rows if r[0] == "bare"]
+    scripts = [r for r in rows if r[0] != "bare loop"]
+    bare = [r for r in rows if r[0] == "bare loop"]
     assert len(scripts) == len(records) and len(bare) >= 5
     for row, record in zip(scripts, records):
         assert (row[0], int(row[1]), row[2]) == (record["script"], record["batch_size"],

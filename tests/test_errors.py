@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import local_utilities as lu
-from conftest import run_script
+from conftest import run_script, script_env
 
 
 @pytest.fixture
@@ -111,3 +111,19 @@ def test_scripts_fail_cleanly(tmp_path, earlier_records, script, flags, words):
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and all(w in error_lines[0] for w in words), proc.stderr
     assert earlier_records.read_bytes() == before
+
+
+@pytest.mark.slow
+def test_torch_compile_without_a_cpp_compiler(tmp_path, earlier_records):
+    """02 on a machine whose C++ compiler is missing: one line saying so and how to run without
+    compiling, exit 2, no traceback, nothing written."""
+    env = script_env(tmp_path, CXX="/nonexistent/g++",
+                     TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor-cache"))
+    before = earlier_records.read_bytes()
+    proc = run_script("02_pytorch-vit-compile.py", "--smoke", cwd=tmp_path, env=env, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "No working C++ compiler" in errors[0]
+    assert "run without compiling: python 01_pytorch-vit.py" in errors[0]
+    assert earlier_records.read_bytes() == before and not (tmp_path / "models").exists()

@@ -269,3 +269,28 @@ def test_a_compiled_models_checkpoint_and_file_fit_the_uncompiled_model(parse):
     torch.nn.init.zeros_(plain.conv_proj.weight)
     rk.load_state_dict(compiled, rk.plain_state_dict(plain))  # 01 -> 02
     assert not compiled.conv_proj.weight.any()
+
+
+def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, monkeypatch):
+    """The checkpoint is written beside its final name and renamed: a process killed halfway
+    through the write leaves the last good checkpoint, and latest.json naming it."""
+    args = parse("--checkpoint-dir", "ck")
+    keeper, model, optimizer = keeper_after_steps(args, [1.0])
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    real = os.write
+
+    def killed_halfway(fd, data):
+        real(fd, bytes(data)[:len(data) // 2])
+        raise KeyboardInterrupt  # not an error the writer handles: as if the process died
+    monkeypatch.setattr(os, "write", killed_halfway)
+    keeper.step(torch.tensor(1.0), batch_size=4)
+    with pytest.raises(KeyboardInterrupt):
+        keeper.checkpoint(1, model, optimizer, val_acc=0.6)
+    monkeypatch.setattr(os, "write", real)
+    assert json.loads((keeper.ckpt_dir / rk.LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
+    assert not (keeper.ckpt_dir / "epoch-0002.ckpt").exists()
+    args = parse("--resume", "--checkpoint-dir", "ck")
+    fresh, fresh_optimizer = model_and_optimizer(args)
+    resumed = rk.RunKeeper(args)
+    resumed.resume(fresh, fresh_optimizer, train_loader=[None])
+    assert resumed.start_epoch == 1
