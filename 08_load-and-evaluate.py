@@ -21,8 +21,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torchvision import transforms
 
-from local_utilities import CIFAR10_CLASSES, SMOKE_IMAGE_SIZE, build_vit, evaluate, get_dataloaders, talk_transforms
+from local_utilities import SMOKE_IMAGE_SIZE, build_vit, evaluate, get_dataloaders, talk_transforms
 from run_keeping import fail, load_model_file, record_of
+
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
 def parse_args():

@@ -3,7 +3,7 @@
 batch, and prints images/s, the speedup over 01, the ratio to the bare loop, peak memory and
 model FLOP utilisation (MFU), then the rate of the talk's CIFAR-10 input pipeline.
 
-    python benchmark.py --smoke                              # small ViT, CPU, about a minute
+    python benchmark.py --smoke                              # small ViT, CPU, about 2 minutes
     python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
     python benchmark.py --smoke --scripts 01 03 --repeat 5   # median of alternating runs
     python benchmark.py --peaks                              # the peak FLOP/s table used for MFU
@@ -56,9 +56,9 @@ def fail(message):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
-    parser.add_argument("--scripts", nargs="+", default=["01", "03", "04", "06"], metavar="NN[@B]",
-                        help="scripts by number, @B for another batch (default 01 03 04 06; "
-                             f"known: {' '.join(SCRIPTS)})")
+    parser.add_argument("--scripts", nargs="+", default=[n for n in SCRIPTS if n != "00"],
+                        metavar="NN[@B]", help="scripts by number, @B for another batch "
+                        "(default: every one that trains but 00, which is 01 from random init)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
                         help="per process, where NN@B does not say (default 16; 09: 128)")
     parser.add_argument("--max-steps", type=int, default=30, metavar="N",

@@ -14,8 +14,6 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from run_keeping import fail, unwritable
 
 NUM_CLASSES = 10
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
-                   "ship", "truck")
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 TALK_IMAGE_SIZE = 224
 NUM_VALIDATION = 5000        # the last 5,000 of CIFAR-10's 50,000 training images
@@ -197,20 +195,16 @@ def synthetic_datasets(args):
     """Random images and labels of the run's shape: --max-steps batches per process to train on,
     one batch per process to evaluate."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
-    generator = torch.Generator().manual_seed(args.seed)
-
-    def make(n):
-        return TensorDataset(torch.rand(n, 3, size, size, generator=generator),
-                             torch.randint(0, NUM_CLASSES, (n,), generator=generator))
-    per_step = args.batch_size * args.world_size
+    g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.world_size
+    make = lambda n: TensorDataset(torch.rand(n, 3, size, size, generator=g),  # noqa: E731
+                                   torch.randint(0, NUM_CLASSES, (n,), generator=g))
     return make(args.max_steps * per_step), make(per_step), make(per_step)
 
 
 # -- Model ----------------------------------------------------------------------------------------
 def build_vit(weights, args):
-    """torchvision's vit_b_16(weights=weights): None or "IMAGENET1K_V1", downloaded into torch's
-    hub cache when not there. --smoke: a small ViT for 32x32 images (3 layers, width 128,
-    patch 16), random init; --synthetic: random init, nothing downloaded."""
+    """torchvision's vit_b_16(weights=None or "IMAGENET1K_V1"; downloaded into torch's hub cache).
+    --smoke: a small ViT for 32x32 images (3 layers, width 128), random init; --synthetic: random init."""
     from torchvision.models import ViT_B_16_Weights, vit_b_16
     from torchvision.models.vision_transformer import VisionTransformer
     weights = ViT_B_16_Weights.verify(weights)
@@ -228,11 +222,10 @@ def build_vit(weights, args):
 
 
 def fsdp_each_encoder_block(model, device_mesh):
-    """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock becomes its own unit,
-    sharded across every process, then the root (embeddings, head). As Lightning's
-    strategy="fsdp" does with bf16-mixed, the gathered parameters are bfloat16 for the forward
-    and backward pass and gradients are reduced in float32 (a GPU without native bfloat16 keeps
-    float32; run_keeping.py says so)."""
+    """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock its own unit, sharded across
+    every process, then the root (embeddings, head). As Lightning's strategy="fsdp" with bf16-mixed,
+    parameters are gathered in bfloat16 and gradients reduced in float32 (float32 throughout on a
+    GPU without native bfloat16; run_keeping.py says so)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
     bf16 = device_mesh.device_type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
@@ -247,8 +240,7 @@ def fsdp_each_encoder_block(model, device_mesh):
 # -- Evaluation -----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Accuracy (a fraction) over the whole loader. Under several processes each sees its own
-    part, and torchmetrics sums the counts of all of them."""
+    """Accuracy (a fraction) over the loader; torchmetrics sums the counts of all processes."""
     model.eval()
     accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=NUM_CLASSES).to(device)
     for features, targets in loader:

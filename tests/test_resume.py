@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -156,7 +157,9 @@ def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
 
 def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
     keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 4.0, 3.0, 7.0])
+    time.sleep(0.5)  # the validation, which images_per_s leaves out
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    assert keeper.timed_seconds < 0.25
     assert keeper.train_loss == [4.0] and keeper.lr == [5e-5]
     # images_per_s counts neither the run's first 3 steps nor validation: 1 timed step of 4
     assert keeper.timed_images == 4 and keeper.timed_seconds > 0

@@ -191,3 +191,16 @@ def test_help_opens_with_the_scripts_own_technique(tmp_path):
     assert len(set(openings)) == len(SCRIPTS)
     assert "compile" in openings[2] and "bf16-mixed" in openings[4] and "ddp" in openings[5]
     assert "ExponentialLR" in openings[7]
+
+
+def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
+    """A process killed by a signal has a negative exit code: it fails, with its output."""
+    from conftest import check_ok
+    killed = subprocess.Popen([sys.executable, "-c", "import os, signal; print('last words', "
+                               "flush=True); os.kill(os.getpid(), signal.SIGKILL)"],
+                              stdout=subprocess.PIPE, text=True)
+    fine = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE, text=True)
+    outputs = [p.communicate()[0] for p in (killed, fine)]
+    with pytest.raises(pytest.fail.Exception) as failure:
+        check_ok([killed, fine], outputs, "a run")
+    assert "exit codes [-9, 0]" in str(failure.value) and "last words" in str(failure.value)

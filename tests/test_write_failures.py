@@ -100,3 +100,33 @@ def test_full_disk_during_a_run(tmp_path, target, names):
         assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", rk.LATEST]
     else:  # the run finished training; its last checkpoint stays until the files are written
         assert (ckpt / rk.LATEST).exists()
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A real 9 MB filesystem (tmpfs; needs root, as here and in CI): room for one smoke
+    checkpoint (about 6 MB) and not for the next beside it."""
+    import subprocess
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=9m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["01_pytorch-vit.py", "03_fabric-vit.py"])  # torch / fabric.save
+def test_a_full_filesystem_at_the_second_checkpoint(tmp_path, small_filesystem, script):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
+    ckpt = small_filesystem / "ck"
+    proc = run_script(script, "--smoke", "--checkpoint-dir", str(ckpt), cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{ckpt}/epoch-0002.ckpt.tmp: No space left on device" in errors[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", rk.LATEST]  # disk freed
+    assert (tmp_path / "results" / "runs.jsonl").read_text() == EARLIER
