@@ -45,7 +45,6 @@ PEAKS = [  # (name contains, {"fp32", "tf32", "bf16"} TFLOP/s)
     ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}),
 ]
 UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16"}  # fp16 = bf16 on these
-TALK_MEMORY_GB = {"01": 3.71, "02": 3.73, "03": 3.71, "04": 3.04}   # batch 16, one GPU
 
 
 def fail(message):
@@ -324,7 +323,7 @@ def talk_comparison(rows, reference):
             talk = reference[SCRIPTS[number]]
             lines.append(f"| {SCRIPTS[number]} | {fmt(ours[number]['vs_01'], '{:.2f}x')} | "
                          f"{talk01 / talk['time_min']:.2f}x | {ours[number]['memory_gb']:.2f} | "
-                         f"{TALK_MEMORY_GB[number]:.2f} |")
+                         f"{talk['memory_gb']:.2f} |")
     return lines
 
 

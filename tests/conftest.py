@@ -177,9 +177,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
+def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0, random_pixels=False):
     """A small CIFAR-10 in its real on-disk format: cifar-10-batches-py with five pickled
-    training batches, a test batch and batches.meta (uint8 rows of 3x32x32, labels 0-9)."""
+    training batches, a test batch and batches.meta (uint8 rows of 3x32x32, labels 0-9). Each
+    image is one flat colour, or random pixels (for comparing resizes)."""
     rng = np.random.RandomState(seed)
     folder = Path(root) / "cifar-10-batches-py"
     folder.mkdir(parents=True, exist_ok=True)
@@ -188,7 +189,9 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0):
                     ("test_batch", num_test)]:
         # each image one flat colour, which a resize keeps, so images can be told apart after it
         colours = rng.randint(0, 256, size=(n, 3, 1), dtype=np.uint8)
-        batch = {"data": np.repeat(colours, 1024, axis=2).reshape(n, 3072),
+        pixels = (rng.randint(0, 256, size=(n, 3072), dtype=np.uint8) if random_pixels
+                  else np.repeat(colours, 1024, axis=2).reshape(n, 3072))
+        batch = {"data": pixels,
                  "labels": [int(v) for v in rng.randint(0, 10, size=n)],
                  "batch_label": name}
         with open(folder / name, "wb") as f:
@@ -233,18 +236,3 @@ def smoke_runs(tmp_path_factory):
         return runs[script]
     return get
 
-
-def write_random_cifar10(root, num_train=50, num_test=10, seed=0):
-    """CIFAR-10 in its real on-disk format with random pixels (for comparing resizes)."""
-    rng = np.random.RandomState(seed)
-    folder = Path(root) / "cifar-10-batches-py"
-    folder.mkdir(parents=True, exist_ok=True)
-    per_batch = num_train // 5
-    for name, n in [*[(f"data_batch_{i}", per_batch) for i in range(1, 6)], ("test_batch", num_test)]:
-        batch = {"data": rng.randint(0, 256, size=(n, 3072), dtype=np.uint8),
-                 "labels": [int(v) for v in rng.randint(0, 10, size=n)], "batch_label": name}
-        with open(folder / name, "wb") as f:
-            pickle.dump(batch, f)
-    with open(folder / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog",
-                                     "frog", "horse", "ship", "truck"]}, f)

@@ -101,3 +101,14 @@ def test_gpu_check_at_smoke_size(tmp_path):
     base = {r["batch_size"]: r["images_per_s"] for r in records if r["script"][:2] == "01"}
     assert scripts[3][6] == f"{records[3]['images_per_s'] / base[16]:.2f}x"
     assert "workers:" in report and "fastest training rate above" in report
+
+
+def test_the_talks_speedups_and_memory_beside_ours():
+    """gpu_check's comparison: the talk's figures come from talk_reference.csv."""
+    from plot_results import load_reference
+    rows = [{"script": benchmark.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": v, "memory_gb": m}
+            for n, v, m in (("01", 1.0, 3.5), ("02", 1.1, 3.6), ("03", 0.99, 3.5), ("04", 3.0, 2.9))]
+    lines = benchmark.talk_comparison(rows, load_reference())[2:]
+    talk = [(line.split(" | ")[2], line.split(" | ")[4].rstrip(" |")) for line in lines]
+    assert talk == [("1.00x", "3.71"), ("1.04x", "3.73"), ("1.01x", "3.71"), ("2.94x", "3.04")]
+    assert lines[3].split(" | ")[1] == "3.00x" and lines[3].split(" | ")[3] == "2.90"

@@ -1,7 +1,6 @@
 """The CIFAR-10 loader on CIFAR-10's real on-disk format, the --smoke digits, and the
 ImageNet weights from torch's hub cache, all offline."""
 import argparse
-import json
 import os
 
 import pytest

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from conftest import ROOT, read_records, run_script, write_random_cifar10
+from conftest import ROOT, read_records, run_script, write_fake_cifar10
 
 FAST = "09_fabric-vit-fast.py"
 # PIL's bilinear resize rounds to uint8 (ToTensor divides by 255 afterwards); torch's works in
@@ -26,7 +26,7 @@ def fast():
 def random_cifar(tmp_path, monkeypatch):
     import torchvision.datasets.cifar as cifar
     monkeypatch.setattr(cifar, "check_integrity", lambda fpath, md5=None: os.path.isfile(fpath))
-    write_random_cifar10(tmp_path / "data")
+    write_fake_cifar10(tmp_path / "data", per_batch=10, num_test=10, random_pixels=True)
     return tmp_path / "data"
 
 
