@@ -27,7 +27,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         model.train()
         for batch_idx, (features, targets) in enumerate(train_loader):
-            model.train()
+            model.train()  # the talk's: undoes model.eval() below (used for the train accuracy); torchvision's ViT has no dropout or batch norm, so the switch changes nothing here and costs a walk over the modules each step
             features, targets = features.to(device), targets.to(device)
 
             ### FORWARD AND BACK PROP

@@ -28,7 +28,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         model.train()
         for batch_idx, (features, targets) in enumerate(train_loader):
-            model.train()
+            model.train()  # the talk's: undoes model.eval() below (used for the train accuracy); torchvision's ViT has no dropout or batch norm, so the switch changes nothing here and costs a walk over the modules each step
 
             ### FORWARD AND BACK PROP
             logits = model(features)
@@ -65,7 +65,7 @@ if __name__ == "__main__":
     fabric.launch()  # new: starts the other processes, if any
     keeper = RunKeeper(args, fabric)  # instead of RunKeeper(args)
     device = fabric.device  # instead of torch.device(args.accelerator)
-    print(watermark(packages="torch,torchvision,lightning", python=True))
+    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # instead of print: once per machine
     torch.manual_seed(args.seed)
 
     ##########################
@@ -73,7 +73,7 @@ if __name__ == "__main__":
     ##########################
     with fabric.rank_zero_first(local=True):  # new: one process per machine downloads, the others wait
         train_loader, val_loader, test_loader = get_dataloaders(args)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # new
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # new: each batch now arrives on the device, so the loop drops its .to(device)
 
     #########################################
     ### 2 Initializing the Model

@@ -39,14 +39,25 @@ def parse_args():
     parser.add_argument("--precision", help="default: the training run's, from --results; else 32-true")
     parser.add_argument("--results", default="results/runs.jsonl", metavar="FILE", help="run records")
     args = parser.parse_args()
+    for path in args.predict or []:  # the images first: a typo should not wait for the model
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except (OSError, UnidentifiedImageError) as err:
+            fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
     if args.model is None:
-        kind = "-smoke.pt" if args.smoke else ".pt"
-        models = [m for m in glob.glob("models/*.pt") if m.endswith(kind) and (args.smoke or not m.endswith(("-smoke.pt", "-synthetic.pt")))]
+        found = glob.glob("models/*.pt")
+        smoke = [m for m in found if m.endswith("-smoke.pt")]
+        full = [m for m in found if not m.endswith(("-smoke.pt", "-synthetic.pt"))]
+        models = smoke if args.smoke else full
         if not models:
-            fail(f"no model in models/ ({'--smoke ' if args.smoke else ''}runs save one when they finish): give --model PATH.")
+            also = (f" Only --smoke models are there ({', '.join(sorted(smoke))}): add --smoke to "
+                    "use the newest." if smoke and not args.smoke else "")
+            fail(f"no {'--smoke ' if args.smoke else ''}model in models/ (training runs save one "
+                 f"when they finish): give --model PATH.{also}")
         args.model = max(models, key=os.path.getmtime)
     # the settings get_dataloaders needs, for the test set only
-    args.synthetic, args.max_steps, args.batch_size, args.world_size, args.seed = False, None, 16, 1, 123
+    args.synthetic, args.max_steps, args.batch_size, args.data_parallel, args.seed = False, None, 16, 1, 123
     return args
 
 

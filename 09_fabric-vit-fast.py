@@ -134,11 +134,12 @@ if __name__ == "__main__":
     # 2 The model, optimizer and schedule
     model = build_vit(weights="IMAGENET1K_V1", args=args)
     model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
-    model = fabric.setup_module(model)
-    if fabric.device.type == "cuda":
+    gpu_path = fabric.device.type == "cuda" or args.compile_on_cpu
+    if gpu_path:  # before setup, as Fabric's docs ask: setup compiles again around DDP's wrapper
         model = torch.compile(model)
+    model = fabric.setup_module(model)
     lr = 5e-5 * math.sqrt(args.batch_size * args.world_size / 16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=fabric.device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=gpu_path)
     optimizer = fabric.setup_optimizers(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(args.epochs * len(train_data)))
 

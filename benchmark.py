@@ -7,6 +7,8 @@ model FLOP utilisation (MFU), then the rate of the talk's CIFAR-10 input pipelin
     python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
     python benchmark.py --smoke --scripts 01 03 --repeat 5   # median of alternating runs
     python benchmark.py --peaks                              # the peak FLOP/s table used for MFU
+    python benchmark.py --memory     # memory per process as the model grows: 1 process, DDP,
+                                     # FSDP2, TP; ViT-B/16, ViT-L/16, ViT-H/14 (about 4 min, CPU)
 
 Speedup, here and in plot_results.py, is training throughput over 01's: images/s divided by 01's
 images/s at the same batch. "vs bare" is the script's images/s divided by the bare loop's, which
@@ -16,6 +18,7 @@ device: what the harness and the data loader cost. Each script run appends its r
 """
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,7 +30,7 @@ import torch
 import torch.utils.data as torch_data
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("0[0-79]_*.py"))}
+SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
 PROG = "benchmark.py"
 WARMUP_STEPS = 3
 # Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets: A100 (2020; SXM and PCIe alike),
@@ -45,6 +48,15 @@ PEAKS = [  # (name contains, {"fp32", "tf32", "bf16"} TFLOP/s)
     ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}),
 ]
 UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16"}  # fp16 = bf16 on these
+# --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
+# state, not the activations), and the strategies of 01/04, 05, 06 and 10 on 1 or 2 processes.
+MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
+                 "ViT-H/14": ("vit_h_14", 28)}
+MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
+    "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
+    "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
+STATE_BYTES = 16  # per parameter held: float32 weight and gradient, Adam's two moments
+DDP_BUCKET_BYTES = 4  # DDP's gradient buckets: a float32 copy of every gradient
 
 
 def fail(message):
@@ -65,7 +77,8 @@ def parse_args(argv=None):
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run the scripts N times, alternating, and report the median")
     parser.add_argument("--devices", type=int, default=1, metavar="N",
-                        help="processes for 05-07 (default 1: DDP and FSDP2 still run)")
+                        help="processes for 05-07 (default 1: DDP and FSDP2 still run) and 10 "
+                             "(at least its 2 tensor-parallel processes)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--results", default="results/benchmark.jsonl", metavar="FILE",
                         help="where the scripts append their records")
@@ -79,7 +92,13 @@ def parse_args(argv=None):
                         help="images for the input-pipeline rate (0 skips it; default 2000)")
     parser.add_argument("--loader-workers", nargs="+", type=int, default=[0, 1, 2, 4],
                         metavar="N", help="worker counts to time the loader with (default 0 1 2 4)")
-    parser.add_argument("--bare-loop", nargs=5, help=argparse.SUPPRESS)  # internal: one bare run
+    parser.add_argument("--memory", action="store_true", help="memory per process by model "
+                        "and strategy (synthetic steps), beside the arithmetic; a chart too")
+    parser.add_argument("--memory-models", nargs="+", default=list(MEMORY_MODELS),
+                        choices=list(MEMORY_MODELS), metavar="MODEL",
+                        help=f"for --memory (default: {' '.join(MEMORY_MODELS)})")
+    parser.add_argument("--bare-loop", nargs=6, help=argparse.SUPPRESS)  # internal: one bare run
+    parser.add_argument("--memory-run", nargs="+", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
     args.runs = []
     for spec in args.scripts:
@@ -143,6 +162,8 @@ def run_script(script, batch, args):
              *common_flags(args)]
     if script[:2] in ("05", "06", "07"):
         flags += ["--devices", str(args.devices)]
+    if script[:2] == "10":  # tensor parallelism needs its 2 processes
+        flags += ["--devices", str(max(2, args.devices))]
     before = len(read_lines(args.results))
     print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
     proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True,
@@ -163,7 +184,8 @@ def read_lines(path):
 def run_bare(record, args):
     """The bare loop in a process of its own, as the script's record says it ran."""
     spec = [record["precision"], record["strategy"], str(record["world_size"]),
-            str(record["batch_size"]), str(args.max_steps)]
+            str(record.get("tensor_parallel_size") or 1), str(record["batch_size"]),
+            str(args.max_steps)]
     print(f"running the bare loop {' '.join(spec)}", file=sys.stderr, flush=True)
     proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--bare-loop", *spec,
                            *common_flags(args)], capture_output=True, text=True)
@@ -178,12 +200,11 @@ def bare_loop(args):
     held on the device; timed after 3 steps, with one synchronisation at each end."""
     import lightning as L
     import torch.nn.functional as F
-    from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit, fsdp_each_encoder_block
     from run_keeping import peak_memory_gb
-    precision, strategy, devices, batch, steps = args.bare_loop
-    devices, batch, steps = int(devices), int(batch), int(steps)
-    strategy = {"single-device": "auto", "ddp": "ddp"}.get(strategy) or \
-        L.fabric.strategies.ModelParallelStrategy(fsdp_each_encoder_block, devices, 1)
+    from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
+    precision, strategy, devices, tensor_parallel, batch, steps = args.bare_loop
+    devices, tensor_parallel, batch, steps = int(devices), int(tensor_parallel), int(batch), int(steps)
+    strategy = make_strategy(strategy, devices, tensor_parallel)
     accelerator = "cpu" if args.smoke else args.accelerator
     fabric = L.Fabric(accelerator=accelerator, devices=devices, precision=precision, strategy=strategy)
     fabric.launch()
@@ -209,10 +230,200 @@ def bare_loop(args):
     if cuda:
         torch.cuda.synchronize()
     seconds = fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")
-    images = (steps - WARMUP_STEPS) * batch * fabric.world_size
+    images = (steps - WARMUP_STEPS) * batch * fabric.world_size // tensor_parallel
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
     fabric.print("BARE " + json.dumps({"images_per_s": images / float(seconds),
                                         "peak_memory_gb": float(memory)}))
+
+
+def process_memory(cuda):
+    """(current, peak) bytes of this process: the CUDA caching allocator's reserved memory, or
+    the resident set (VmRSS, VmHWM)."""
+    if cuda:
+        return torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return (int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024)
+
+
+def reset_peak_memory(cuda):
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: writing 5 resets the peak resident set size to the current one
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def memory_run(args):
+    """In each process of one strategy: every model in turn, set up, two synthetic Adam steps in
+    bf16-mixed (as 04-07 and 10), and the peak memory of the steps; rank 0 prints one line."""
+    import gc
+    import lightning as L
+    import torch.nn.functional as F
+    import torchvision.models
+    from run_keeping import count_local_parameters
+    strategy, *models = args.memory_run
+    processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
+    accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
+        "cuda" if args.accelerator == "auto" else args.accelerator
+    fabric = L.Fabric(accelerator=accelerator, devices=processes, precision="bf16-mixed",
+                      strategy=make_strategy(record_name, processes, tensor_parallel))
+    fabric.launch()
+    cuda = fabric.device.type == "cuda"
+    libraries = process_memory(cuda)[0]  # before any model: the interpreter and its libraries
+    for name in models:
+        builder, size = MEMORY_MODELS[name]
+        with torch.device("meta"):
+            model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():  # values do not matter for memory; filled, so every page is real
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        parameters = sum(p.numel() for p in model.parameters())
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+        gc.collect()
+        reset_peak_memory(cuda)
+        features = torch.rand(2, 3, size, size, device=fabric.device)
+        targets = torch.randint(0, 10, (2,), device=fabric.device)
+        for _ in range(2):  # the first step creates Adam's moments; the second is the steady state
+            loss = F.cross_entropy(model(features), targets)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+        peak = torch.tensor([float(process_memory(cuda)[1])], device=fabric.device)
+        held = torch.tensor([float(count_local_parameters(model))], device=fabric.device)
+        peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (peak, held))
+        fabric.print("MEMORY " + json.dumps({
+            "model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
+            "held": helds, "peak_gb": [p / 1e9 for p in peaks], "libraries_gb": libraries / 1e9,
+            "device": fabric.device.type}))
+        del model, optimizer, features, targets, loss
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def state_bytes(strategy, parameters, held):
+    """Model-state bytes one process should hold by arithmetic: 16 per parameter it holds, and
+    under DDP 4 more per parameter for the gradient buckets."""
+    return STATE_BYTES * held + (DDP_BUCKET_BYTES * parameters if strategy.startswith("DDP") else 0)
+
+
+def available_memory(cuda):
+    if cuda:
+        return torch.cuda.get_device_properties(0).total_memory
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(meminfo["MemAvailable"].split()[0]) * 1024
+
+
+def memory_report(args):
+    """--memory: each strategy in processes of its own, the models in turn; a table beside the
+    arithmetic, the chart, and the goal on ViT-L/16."""
+    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if cuda else 0
+    budget, rows, notes = available_memory(cuda), [], []
+    for strategy, (processes, _, _) in MEMORY_STRATEGIES.items():
+        if cuda and processes > gpus:
+            notes.append(f"{strategy}: skipped, it needs {processes} GPUs and this machine has {gpus}")
+            continue
+        models = []
+        for name in args.memory_models:
+            parameters, held = expected_held(name, strategy)
+            need = state_bytes(strategy, parameters, held)
+            if need * (1 if cuda else processes) > 0.8 * budget:
+                notes.append(f"{name} under {strategy}: skipped, its model state alone needs about "
+                             f"{need * (1 if cuda else processes) / 1e9:.0f} GB "
+                             f"{'per GPU' if cuda else f'for {processes} processes'}, more than "
+                             f"80% of the {budget / 1e9:.0f} GB {'per GPU' if cuda else 'free here'}")
+            else:
+                models.append(name)
+        if not models:
+            continue
+        print(f"measuring {strategy}: {', '.join(models)}", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--memory-run", strategy,
+                               *models, "--accelerator", args.accelerator], capture_output=True,
+                              text=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("MEMORY ")]
+        if proc.returncode != 0 or len(found) != len(models):
+            fail(f"the memory run of {strategy} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
+        rows += found
+    device = f"{torch.cuda.get_device_name()}: torch.cuda.max_memory_reserved" if cuda else \
+        f"{os.cpu_count()}-core CPU: peak resident memory (VmHWM)"
+    lines = [f"Memory per process, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, on {device}; "
+             "two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
+             "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
+             "parameter (its gradient buckets).", "",
+             "| model | parameters | strategy | processes | parameters held per process | "
+             "model state by arithmetic GB | peak per process GB | peak less libraries GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = max(r["held"])
+        expected = state_bytes(r["strategy"], r["parameters"], held) / 1e9
+        peak = max(r["peak_gb"])
+        r["expected_gb"], r["peak"] = expected, peak
+        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f} M | {r['strategy']} | "
+                     f"{r['processes']} | {held / 1e6:.0f} M | {expected:.2f} | {peak:.2f} | "
+                     f"{peak - (0 if cuda else r['libraries_gb']):.2f} |")
+    lines += [""] + [f"- {note}" for note in notes]
+    by = {(r["model"], r["strategy"]): r["peak"] for r in rows}
+    ddp, fsdp, tp = (by.get(("ViT-L/16", s)) for s in ("DDP (05)", "FSDP2 (06)", "TP (10)"))
+    if ddp and fsdp and tp:
+        lines.append(f"- ViT-L/16 on 2 processes: FSDP2's peak is {fsdp / ddp:.2f} of DDP's (goal: "
+                     f"at most 0.6); TP's {tp / ddp:.2f}, {'between the two' if fsdp <= tp <= ddp else 'NOT between them'}.")
+    text = "\n".join(lines)
+    print(text)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(text + "\n")
+    chart = Path(args.results).parent / "memory.png"
+    memory_chart(rows, chart, device)
+    print(f"Chart written to {chart}")
+
+
+def expected_held(name, strategy):
+    """(parameters, parameters one process should hold) by arithmetic, from the model built on
+    the meta device: FSDP2 halves everything; TP halves each MLP's first Linear (weight and bias)
+    and second weight; one process and DDP hold it all."""
+    import torchvision.models
+    builder, size = MEMORY_MODELS[name]
+    with torch.device("meta"):
+        model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
+    parameters = sum(p.numel() for p in model.parameters())
+    if strategy.startswith("FSDP2"):
+        return parameters, parameters / 2
+    if strategy.startswith("TP"):
+        split = sum(layer.mlp[0].weight.numel() + layer.mlp[0].bias.numel() + layer.mlp[3].weight.numel()
+                    for layer in model.encoder.layers)
+        return parameters, parameters - split / 2
+    return parameters, parameters
+
+
+def memory_chart(rows, path, device):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot_results import save
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    strategies = list(MEMORY_STRATEGIES)
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    width = 0.8 / len(strategies)
+    for i, strategy in enumerate(strategies):
+        for j, model in enumerate(models):
+            r = next((r for r in rows if (r["model"], r["strategy"]) == (model, strategy)), None)
+            x = j + (i - (len(strategies) - 1) / 2) * width
+            if r is None:
+                ax.text(x, 0, "skipped", rotation=90, ha="center", va="bottom", fontsize=7)
+                continue
+            ax.bar(x, r["peak"], width, color=f"C{i}", label=strategy if j == 0 else None)
+            ax.plot([x - width / 2, x + width / 2], [r["expected_gb"]] * 2, color="black",
+                    linewidth=2, label="model state by arithmetic" if (i, j) == (0, 0) else None)
+            ax.annotate(f"{r['peak']:.1f}", (x, r["peak"]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(models)))
+    ax.set_xticklabels(models)
+    ax.set_ylabel("peak memory per process (GB)")
+    ax.set_title(f"Memory per process as the model grows ({device})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save(fig, path)
 
 
 class Cifar10Shaped(torch_data.Dataset):
@@ -292,8 +503,20 @@ def rows_of(runs, bares, flops, args):
     return unique
 
 
+def make_strategy(name, devices, tensor_parallel=1):
+    """The strategy a script's record names, for `devices` processes."""
+    import lightning as L
+    from local_utilities import fsdp_each_encoder_block, tensor_parallel_mlps_then_fsdp
+    if name in ("single-device", "ddp"):
+        return {"single-device": "auto", "ddp": "ddp"}[name]
+    parallelize = tensor_parallel_mlps_then_fsdp if tensor_parallel > 1 else fsdp_each_encoder_block
+    return L.fabric.strategies.ModelParallelStrategy(parallelize, devices // tensor_parallel,
+                                                     tensor_parallel)
+
+
 def bare_key(record):
-    return (record["precision"], record["strategy"], record["world_size"], record["batch_size"])
+    return (record["precision"], record["strategy"], record["world_size"],
+            record.get("tensor_parallel_size") or 1, record["batch_size"])
 
 
 def fmt(value, pattern):
@@ -331,6 +554,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.bare_loop:
         return bare_loop(args)
+    if args.memory_run:
+        return memory_run(args)
+    if args.memory:
+        return memory_report(args)
     if args.peaks:
         print("Dense peak TFLOP/s used for MFU (NVIDIA data sheets, sparsity figures halved):")
         print(f"{'name contains':<14} {'FP32':>6} {'TF32':>7} {'BF16/FP16':>10}")

@@ -8,17 +8,35 @@
 # About 5 minutes on one H200; no network.
 #   bash gpu_check.sh            # on a GPU machine
 #   bash gpu_check.sh --smoke    # the same at smoke size on a CPU (the tests run this)
-# GPU_CHECK_DIR=DIR puts every output in DIR instead of results/.
+# 10 (tensor parallelism) needs 2 GPUs: on one it is skipped, with a line saying so.
+# GPU_CHECK_DIR=DIR puts every output in DIR instead of results/; PYTHON=PATH picks the
+# interpreter (default: python).
+# Exit codes: 0 done, 2 no GPU without --smoke; otherwise benchmark.py's.
 set -euo pipefail
 cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python}
 out=${GPU_CHECK_DIR:-results}
+smoke=no
+case " $* " in *" --smoke "*) smoke=yes ;; esac
+gpus=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null) || true
+if [ -z "$gpus" ] && [ "$smoke" = no ]; then
+  echo "gpu_check.sh: error: no NVIDIA GPU found (nvidia-smi sees none). On a CPU, run the same" \
+       "check at smoke size: bash gpu_check.sh --smoke" >&2
+  exit 2
+fi
 mkdir -p "$out"
-images=4000
-case " $* " in *" --smoke "*) images=400 ;; esac
-gpu=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null \
-      | head -n 1) || true
+images=4000 scripts="01 02 03 04 05 06 07 09 01@128 04@128"
+[ "$smoke" = yes ] && images=400
+if [ "$smoke" = yes ] || [ "$(printf '%s\n' "$gpus" | grep -c .)" -ge 2 ]; then
+  scripts="$scripts 10"
+else
+  echo "gpu_check.sh: 10_fabric-vit-tensor-parallel.py skipped: tensor parallelism splits each" \
+       "MLP across 2 GPUs, and this machine has 1." >&2
+fi
+gpu=$(printf '%s\n' "$gpus" | head -n 1)
 gpu=${gpu:-"no NVIDIA GPU (nvidia-smi found none): a CPU run"}
-python benchmark.py --scripts 01 02 03 04 05 06 07 09 01@128 04@128 --max-steps 40 \
+# shellcheck disable=SC2086
+"$PYTHON" benchmark.py --scripts $scripts --max-steps 40 \
   --loader-images "$images" --loader-workers 0 1 2 4 8 --results "$out/gpu-check.jsonl" \
   --report "$out/gpu-check-body.md" "$@"
 {

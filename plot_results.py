@@ -4,9 +4,10 @@
     python plot_results.py --smoke              # the --smoke runs instead of full runs
     python plot_results.py --log examples/talk-log.md   # also logs in the talk's text format
 
-Keeps the latest record per script, draws training time, test accuracy, peak memory and
+Keeps the latest record per script and seed, draws training time, test accuracy, peak memory and
 throughput per script (ours solid, the talk's hatched), and prints the same as a table with each
-script's speedup over 01. Speedup, here and in benchmark.py, is training throughput over 01's:
+script's speedup over 01. Several seeds of a script (`--seed`): the bar is their mean and the
+error bar their range (min to max); the table gives n and the accuracy's range. Speedup, here and in benchmark.py, is training throughput over 01's:
 images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
 throughput, 01's training time divided by the script's (the same images in each run).
 """
@@ -44,17 +45,19 @@ def fail(message):
 
 
 def load_reference(path=REFERENCE):
-    """The talk's table: {script: {technique, epochs, devices, time_min, memory_gb, ...}}."""
+    """The talk's table: {script: {technique, epochs, devices, time_min, memory_gb, ...}}; None
+    where the talk has no figure (10 is not in the talk)."""
     with open(path) as f:
         rows = csv.DictReader(line for line in f if not line.startswith("#"))
-        return {row["script"]: {k: (v if k in ("script", "technique", "change") else float(v))
-                                for k, v in row.items()} for row in rows}
+        return {row["script"]: {k: (v if k in ("script", "technique", "change") else
+                                    float(v) if v else None) for k, v in row.items()} for row in rows}
 
 
 def kind_of(record):
-    if record.get("synthetic"):
-        return "synthetic"
-    return "smoke" if record.get("smoke") else "full"
+    """full, smoke, synthetic or smoke-synthetic (records before "kind" existed: from the flags)."""
+    if record.get("kind"):
+        return record["kind"]
+    return "-".join(k for k in ("smoke", "synthetic") if record.get(k)) or "full"
 
 
 def read_records(path, known):
@@ -124,31 +127,49 @@ def read_log(path, known):
     return records
 
 
+KINDS = ("full", "smoke", "synthetic", "smoke-synthetic")
+SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
+
+
 def select(records, kind):
-    """The latest record per script of the asked kind, or of whatever kind exists."""
-    kinds = [kind] if kind else ["full", "smoke", "synthetic"]
-    for chosen in kinds:
-        latest = {}
+    """The runs of the asked kind, or of the first kind that exists: the latest record per
+    script and seed, summarised per script (mean, range, n)."""
+    for chosen in [kind] if kind else KINDS:
+        runs = {}
         for record in records:  # later lines are later runs
             if kind_of(record) == chosen:
-                latest[record["script"]] = record
-        if latest:
+                runs.setdefault(record["script"], {})[record.get("seed")] = record
+        if runs:
             if not kind and chosen != "full":
                 warn(f"no full runs found: showing {chosen} runs (not comparable to the talk)")
-            return chosen, latest
+            return chosen, {script: summarise(list(by_seed.values()))
+                            for script, by_seed in runs.items()}
     return kind or "full", {}
 
 
+def summarise(runs):
+    """One script's runs (one per seed) as one record: the latest run's fields, each measured
+    figure the mean over the runs, with n and each figure's (min, max) in "range"."""
+    summary = dict(runs[-1], n=len(runs), range={})
+    for key in SPREAD:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            summary[key] = sum(values) / len(values)
+            summary["range"][key] = (min(values), max(values))
+    return summary
+
+
 def hardware(latest):
+    """The devices the runs ran on, with how many processes a run used."""
     names = {}
     for record in latest.values():
-        count = record.get("world_size")
-        label = record.get("device_name") or "unknown device"
-        names.setdefault(label, set()).add(count)
+        names.setdefault(record.get("device_name") or "unknown device", set()).add(record.get("world_size"))
     parts = []
     for name, counts in names.items():
         counts = sorted(c for c in counts if c)
-        parts.append(name + (f" x {'/'.join(map(str, counts))}" if counts else ""))
+        processes = " or ".join(map(str, counts))
+        parts.append(name + (f", {processes} process{'es' if counts != [1] else ''} per run"
+                             if counts else ""))
     return "; ".join(parts)
 
 
@@ -169,29 +190,36 @@ def speedup(record, baseline):
 
 def table(latest, reference, kind):
     """The comparison as text: ours beside the talk's, and each script's speedup over 01."""
-    def show(value):
-        return f"{value:.2f}x" if value else "-"
+    def show(value, pattern="{:.2f}x"):
+        return pattern.format(value) if value else "-"
     talk01 = reference[BASELINE]["time_min"]
     header = (f"{'script':<34} {'time min':>9} {'talk':>7} {'acc %':>7} {'talk':>7} "
-              f"{'mem GB':>7} {'talk':>6} {'img/s':>8} {'speedup':>8} {'talk':>6}")
+              f"{'mem GB':>7} {'talk':>6} {'img/s':>8} {'speedup':>8} {'talk':>6} {'n':>3} "
+              f"{'acc % range':>13}")
     lines = [f"Ours: {kind} runs on {hardware(latest)}. Talk: its published figures.", header]
     for script in sorted(latest):
         r, t = latest[script], reference[script]
         acc = f"{r['test_acc'] * 100:.2f}" if r.get("test_acc") is not None else "-"
         ips = f"{r['images_per_s']:.1f}" if r.get("images_per_s") is not None else "-"
+        low, high = r.get("range", {}).get("test_acc", (None, None))
+        spread = f"{low * 100:.2f}-{high * 100:.2f}" if r.get("n", 1) > 1 and low is not None else "-"
         lines.append(
-            f"{script:<34} {r['train_time_s'] / 60:>9.2f} {t['time_min']:>7.2f} {acc:>7} "
-            f"{t['test_acc_pct']:>7.2f} {r['peak_memory_gb']:>7.2f} {t['memory_gb']:>6.2f} "
-            f"{ips:>8} {show(speedup(r, latest.get(BASELINE))):>8} "
-            f"{show(talk01 / t['time_min']):>6}")
-    lines.append(f"({SPEEDUP})")
+            f"{script:<34} {r['train_time_s'] / 60:>9.2f} {show(t['time_min'], '{:.2f}'):>7} "
+            f"{acc:>7} {show(t['test_acc_pct'], '{:.2f}'):>7} {r['peak_memory_gb']:>7.2f} "
+            f"{show(t['memory_gb'], '{:.2f}'):>6} {ips:>8} "
+            f"{show(speedup(r, latest.get(BASELINE))):>8} "
+            f"{show(t['time_min'] and talk01 / t['time_min']):>6} {r.get('n', 1):>3} {spread:>13}")
+    lines.append(f"({SPEEDUP}; n: runs with different --seed, their mean shown; the range is "
+                 "min-max)")
     if kind != "full":
         lines.append(f"({kind} runs: a small model on small data; not a reproduction of the talk)")
     return "\n".join(lines)
 
 
-def short_label(script, reference):
+def short_label(script, reference, kind):
     technique = reference[script]["technique"].split(", stepped")[0]
+    if kind.startswith("smoke"):  # what the smoke run loads instead of the ImageNet weights
+        technique = technique.replace("ImageNet-pretrained", "pretrained on printed digits")
     return script[:2] + "\n" + textwrap.fill(technique, 15)
 
 
@@ -202,7 +230,7 @@ def figure(latest, reference, kind):
     import matplotlib.pyplot as plt
 
     scripts = sorted(latest)
-    labels = [short_label(s, reference) for s in scripts]
+    labels = [short_label(s, reference, kind) for s in scripts]
     fig, axes = plt.subplots(4, 1, figsize=(max(9.0, 1.5 * len(scripts) + 2), 15), dpi=100)
     width = 0.38
     xs = list(range(len(scripts)))
@@ -217,19 +245,26 @@ def figure(latest, reference, kind):
             ax.text(0.5, 0.5, f"no data: none of these {kind} records has {key}",
                     transform=ax.transAxes, ha="center", va="center", color="#555555")
             continue
+        ranges = [latest[s].get("range", {}).get(key) if latest[s].get("n", 1) > 1 else None
+                  for s in scripts]
+        below = [v - convert(r[0]) if r and v is not None else 0 for v, r in zip(ours, ranges)]
+        above = [convert(r[1]) - v if r and v is not None else 0 for v, r in zip(ours, ranges)]
         bars = ax.bar([x - width / 2 for x in xs], [v or 0 for v in ours], width,
-                      color="#1f77b4", label=f"ours ({kind})")
-        for bar, value in zip(bars, ours):
+                      color="#1f77b4", label=f"ours ({kind}; several seeds: mean, min-max)",
+                      yerr=[below, above] if any(ranges) else None, capsize=3,
+                      error_kw={"elinewidth": 1})
+        for bar, value, up in zip(bars, ours, above):
             ax.annotate("n/a" if value is None else fmt.format(value),
-                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height() + up),
                         ha="center", va="bottom", fontsize=7)
         if talk_key:
             talk = [reference[s][talk_key] for s in scripts]
-            talk_bars = ax.bar([x + width / 2 for x in xs], talk, width, color="white",
-                               edgecolor="#888888", hatch="//", label="talk (published)")
+            talk_bars = ax.bar([x + width / 2 for x in xs], [t or 0 for t in talk], width,
+                               color="white", edgecolor="#888888", hatch="//",
+                               label="talk (published)")
             for bar, value in zip(talk_bars, talk):
-                ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2,
-                                                bar.get_height()),
+                ax.annotate("not in talk" if value is None else fmt.format(value),
+                            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=7, color="#555555")
         else:
             ax.text(0.99, 0.97, "talk: not published", transform=ax.transAxes, ha="right",
@@ -239,14 +274,15 @@ def figure(latest, reference, kind):
     if kind != "full":
         headline += f"\n{kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
     if kind == "smoke":
-        headline += ("\n(a 3-layer ViT from random init on 8x8 digits in every script; on a CPU, "
-                     "memory is the process's peak resident memory)")
+        headline += ("\n(a 3-layer ViT on 8x8 handwritten digits: 00 from random init, the others "
+                     "pretrained on printed digits; on a CPU, memory is the process's peak "
+                     "resident memory)")
     fig.suptitle(headline + "\nTalk (hatched): its published runs on its GPUs "
                  "(1 GPU; 4 GPUs for 05-07)", fontsize=9)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
     lines = headline.count("\n") + 2
-    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.014 * lines))  # room for the headline
+    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.011 * lines))  # room for the headline, no more
     return fig
 
 
@@ -260,6 +296,9 @@ def save(fig, output):
         fd, tmp = tempfile.mkstemp(prefix=".charts-", suffix=".png", dir=output.parent)
         os.close(fd)
         fig.savefig(tmp, format="png")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (mkstemp makes it 0600)
         os.replace(tmp, output)
     except OSError as err:
         print(f"{PROG}: error: cannot write {output}: {err.strerror or err}", file=sys.stderr)

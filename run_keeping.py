@@ -10,10 +10,13 @@ finetuned model file. A script makes one `RunKeeper` and calls it four times:
 
 Files are written beside their final name and renamed into place; a write that fails (a full
 disk, no permission) says which file and why in one line, removes what it half wrote and exits 1.
-Exit codes: 1 a failed write or a NaN/inf loss, 2 bad input, 130 Ctrl-C, 143 SIGTERM.
+Exit codes: 1 a failed write or a NaN/inf loss, 2 bad input, 3 a process of the run was lost
+(a machine died or was killed: continue with --resume), 130 Ctrl-C, 143 SIGTERM.
 """
+import importlib.metadata
 import io
 import json
+import re
 import os
 import platform
 import random
@@ -35,19 +38,32 @@ LATEST = "latest.json"   # names a checkpoint folder's newest finished epoch
 WARMUP_STEPS = 3         # the run's first training steps are not timed (start-up, compilation)
 PRINT_EVERY = 300        # the scripts print the loss every 300 batches; the loss guard reads then
 FALLBACK = "This GPU ({gpu}) has no native bfloat16: running {instead} instead of bf16-mixed{why}."
+# The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
+SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_parallel",
+            "precision", "lr")
+# How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
+LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|"
+                       r"NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*"
+                       r"(?:timeout|Watchdog)|Connection refused", re.I)
 
 
 def gpu_lacks_bf16():
     return not torch.cuda.is_bf16_supported(including_emulation=False)
 
 
-def resume_command():
-    """The command that continues this run: the flags it was started with, plus --resume."""
-    flags = [a for a in sys.argv[1:] if a != "--resume"]
+def resume_command(flags=None):
+    """The command that continues this run: the flags it was started with (or `flags`), plus
+    --resume."""
+    flags = [a for a in (sys.argv[1:] if flags is None else flags) if a != "--resume"]
     command = " ".join(["python", Path(sys.argv[0]).name, *map(shlex.quote, flags), "--resume"])
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command
+
+
+def kind_flags(kind):
+    """The flags of a kind of run: "smoke-synthetic" -> " --smoke --synthetic"."""
+    return "".join(f" --{k}" for k in kind.split("-") if k)
 
 
 def fail(message, code=2):
@@ -55,6 +71,18 @@ def fail(message, code=2):
     message = " ".join(str(message).split())
     print(f"{Path(sys.argv[0]).name}: error: {message[:800]}", file=sys.stderr, flush=True)
     raise SystemExit(code)
+
+
+def why_unloadable(err):
+    """What torch.load found wrong with a file, in a few words: never torch's advice to load it
+    with weights_only=False (unsafe for a file of unknown origin)."""
+    text = str(err)
+    if "Weights only load failed" in text:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        if found:
+            return f"it holds a {found.group(1)} object, not only tensors"
+        return "it is not a file that torch.save wrote"
+    return f"{type(err).__name__}: {(text.strip().splitlines() or [''])[0][:200]}"
 
 
 def unwritable(path):
@@ -79,6 +107,7 @@ class RunKeeper:
         self.ckpt_dir = Path(args.checkpoint_dir)
         self.last_checkpoint = None
         self._check_checkpoint_folder()
+        self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
         if fabric and fabric.device.type == "cuda":
             fall_back_from_bf16(fabric)
         for sig, code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
@@ -89,8 +118,7 @@ class RunKeeper:
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds = 0, 0.0
         self._session_steps, self._epoch = 0, None
-        if args.kind:
-            self.print(self.kind_line())
+        self.settings = None  # known once the optimizer is: resume()
 
     # -- output ----------------------------------------------------------------------------------
     def print(self, *a):
@@ -99,10 +127,21 @@ class RunKeeper:
             print(*a, flush=True)
 
     def kind_line(self):
-        what = {"smoke": "a 3-layer ViT from random init on scikit-learn's 8x8 digits",
-                "synthetic": "random images and labels, random init"}[self.args.kind]
-        return (f"{self.args.kind.upper()} RUN on {device_name(self.args.accelerator)}: {what}. "
-                "Not the talk's experiment; its figures are not the talk's.")
+        """What a smoke or synthetic run is, said before its training and again at its end."""
+        init = getattr(self.args, "init", "random init")
+        what = {"smoke": f"a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
+                "synthetic": "ViT-B/16 from random init on random images and labels",
+                "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 "
+                                   "images and labels"}[self.args.kind]
+        from local_utilities import SMOKE_GLOBAL_BATCH as talks
+        batch, replicas = "", self.args.data_parallel
+        if self.args.smoke and talks % replicas and self.args.batch_size == talks // replicas:
+            batch = (f" The batch is {self.args.batch_size} per data-parallel process, "
+                     f"{self.args.batch_size * replicas} in all, not the talk's {talks}: {talks} "
+                     f"does not divide by {replicas}.")
+        return (f"{self.args.kind.upper().replace('-', '+')} RUN on "
+                f"{device_name(self.args.accelerator)}: {what}. Not the talk's experiment; its "
+                f"figures are not the talk's.{batch}")
 
     def _on_signal(self, signum, code):
         """Ctrl-C or SIGTERM (what SLURM sends first): one line saying how to continue."""
@@ -118,8 +157,10 @@ class RunKeeper:
 
     def _on_uncaught(self, kind, err, traceback):
         """Errors a user can act on, in one line instead of a traceback: torch.compile without a
-        working C++ compiler (exit 2), a GPU out of memory (exit 1). Anything else: as usual."""
+        working C++ compiler (exit 2), a GPU out of memory (exit 1), a process of the run lost
+        (exit 3). Anything else: as usual."""
         first_line = (str(err).strip().splitlines() or [kind.__name__])[0]
+        lost = self.world_size > 1 and issubclass(kind, RuntimeError) and LOST_PEER.search(str(err))
         if kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
             instead = ("python 01_pytorch-vit.py, the same lesson without it" if
                        self.args.script.startswith("02") else "the script without its "
@@ -130,6 +171,15 @@ class RunKeeper:
         elif issubclass(kind, torch.OutOfMemoryError):
             message, code = (f"the GPU ran out of memory at --batch-size {self.args.batch_size} "
                              f"({first_line[:120]}): try a smaller --batch-size."), 1
+        elif lost:
+            peer = re.search(r"\[([^\]]+)\]:(\d+)", str(err))
+            which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
+            where = (f"the last checkpoint is {self.last_checkpoint}; continue with "
+                     f"{resume_command()} once every machine is back" if self.last_checkpoint
+                     else "no checkpoint was written yet: start it again")
+            message, code = (f"a process of the run was lost{which}: a machine died, or a "
+                             f"process was killed ({lost.group(0)}). Process {self.rank} of "
+                             f"{self.world_size} stops too; {where}."), 3
         else:
             return sys.__excepthook__(kind, err, traceback)
         print(f"{self.args.script}: error: {message}", file=sys.stderr, flush=True)
@@ -140,23 +190,33 @@ class RunKeeper:
     def _check_checkpoint_folder(self):
         latest = self.ckpt_dir / LATEST
         if latest.exists() and not self.args.resume:
+            try:
+                flags = json.loads(latest.read_text())["flags"]
+            except (OSError, ValueError, KeyError, TypeError):
+                flags = None
             fail(f"{self.ckpt_dir} holds the checkpoint of an unfinished run: continue it with "
-                 f"{resume_command()}, or choose another --checkpoint-dir (or delete that one) "
-                 "to start over.")
+                 f"{resume_command(flags)}, or choose another --checkpoint-dir (or delete that "
+                 "one) to start over.")
         if self.args.resume and not latest.exists():
             stem = Path(self.args.script).stem
             others = sorted(p.parent.name for p in self.ckpt_dir.parent.glob(f"{stem}*/{LATEST}"))
             hint = "".join(f" {name} holds one: continue it with python {self.args.script}"
-                           f"{' --' + name[len(stem) + 1:] if name != stem else ''} --resume."
-                           for name in others)
+                           f"{kind_flags(name[len(stem) + 1:])} --resume." for name in others)
             fail(f"--resume: nothing to resume in {self.ckpt_dir} (no {LATEST}).{hint} On "
                  "several machines --checkpoint-dir must be a folder every machine sees.")
 
     def resume(self, model, optimizer, train_loader, scheduler=None):
         """With --resume: restore model, optimizer, scheduler, random states and the figures so
-        far from the newest checkpoint. Returns the first epoch to train."""
+        far from the newest checkpoint, after checking that it is this run's (script, kind and
+        SETTINGS). Sets and returns the first epoch to train."""
         self.optimizer, self.steps_per_epoch = optimizer, len(train_loader)
         self._started = time.time()
+        group = optimizer.param_groups[0]
+        self.settings = {**{k: getattr(self.args, k) for k in SETTINGS[:4]},
+                         "world_size": self.world_size, "tensor_parallel": self.args.tensor_parallel,
+                         "precision": self.precision_asked, "lr": group.get("initial_lr", group["lr"])}
+        if self.args.kind:
+            self.print(self.kind_line())
         self.held_parameters = self._gather(count_local_parameters(model))
         if self.world_size > 1:
             self.print("Parameters held per process: " + " + ".join(
@@ -166,13 +226,20 @@ class RunKeeper:
         latest_file = self.ckpt_dir / LATEST
         try:
             latest = json.loads(latest_file.read_text())
-            path, script, world_size = self.ckpt_dir / latest["checkpoint"], latest["script"], latest["world_size"]
+            path, script, kind = self.ckpt_dir / latest["checkpoint"], latest["script"], latest["kind"]
+            settings, flags = latest["settings"], latest["flags"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            fail(f"--resume: {latest_file} is unreadable or corrupt ({err}).")
-        if (script, world_size, latest.get("kind")) != (self.args.script, self.world_size, self.args.kind):
-            fail(f"--resume: the checkpoint in {self.ckpt_dir} is from {script} with {world_size} "
-                 f"process(es) ({latest.get('kind') or 'full'} run); this is {self.args.script} "
-                 f"with {self.world_size} ({self.args.kind or 'full'} run).")
+            fail(f"--resume: {latest_file} is unreadable or corrupt ({type(err).__name__}: {err}).")
+        if (script, kind) != (self.args.script, self.args.kind):
+            fail(f"--resume: the checkpoint in {self.ckpt_dir} is from {script} ({kind or 'full'} "
+                 f"run); this is {self.args.script} ({self.args.kind or 'full'} run). Each script "
+                 "and kind of run continues only its own.")
+        differences = [f"{k} {settings.get(k)} (now {self.settings[k]})" for k in SETTINGS
+                       if settings.get(k) != self.settings[k]]
+        if differences:
+            fail(f"--resume: the checkpoint in {self.ckpt_dir} was made with "
+                 f"{', '.join(differences)}; a resumed run keeps the settings it started with. "
+                 f"Continue it as started: {resume_command(flags)}")
         extra = {"scheduler": scheduler} if scheduler else {}
         try:
             if self.fabric:
@@ -185,10 +252,9 @@ class RunKeeper:
                 if scheduler:
                     scheduler.load_state_dict(state["scheduler"])
         except Exception as err:  # a truncated or foreign file fails in many ways
-            first_line = (str(err).strip().splitlines() or [""])[0]
-            fail(f"--resume: cannot load {path} ({type(err).__name__}: {first_line})")
+            fail(f"--resume: cannot load {path} ({why_unloadable(err)})")
         progress = state["progress"]
-        if hasattr(getattr(train_loader, "sampler", None), "set_epoch") and self.world_size > 1:
+        if hasattr(getattr(train_loader, "sampler", None), "set_epoch"):
             # Fabric's loader sets the distributed sampler's epoch from the number of times it
             # was iterated: start it once per finished epoch (the random states follow below).
             for _ in range(progress["epochs_done"]):
@@ -258,7 +324,8 @@ class RunKeeper:
         progress = {"epochs_done": epoch + 1, "steps": self.steps, "train_loss": self.train_loss,
                     "val_acc": self.val_acc, "lr": self.lr,
                     **self._totals(time.time() - self._started)}
-        meta = {"script": self.args.script, "world_size": self.world_size, "kind": self.args.kind}
+        meta = {"script": self.args.script, "kind": self.args.kind, "settings": self.settings,
+                "flags": [a for a in sys.argv[1:] if a != "--resume"]}
         extra = {"scheduler": scheduler} if scheduler else {}
         if self.rank == 0:
             self.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -276,6 +343,8 @@ class RunKeeper:
                 torch.save(state, buffer)
                 write_atomically(tmp, buffer.getvalue(), replace=False)
         except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
+            if self.world_size > 1 and LOST_PEER.search(str(err)):
+                raise  # not the disk: a process of the run is gone (_on_uncaught says so)
             remove(tmp)
             fail(f"cannot write the checkpoint {tmp}: {write_error(err, tmp)}. The last good "
                  f"checkpoint ({self.last_checkpoint or 'none yet'}) is untouched.", code=1)
@@ -287,16 +356,17 @@ class RunKeeper:
             for old in self.ckpt_dir.glob("epoch-*.ckpt"):
                 if old.name != name:
                     remove(old)
+        self.last_checkpoint = final  # before the barrier: a process lost there can name it
         self._barrier()
-        self.last_checkpoint = final
 
     # -- the end ---------------------------------------------------------------------------------
     def _totals(self, train_time_s):
-        """Timed training images of all processes, the slowest process's seconds, and the
-        training time, each including the part before a --resume."""
+        """Timed training images of all processes (each image once: a tensor-parallel group
+        shares its batch), the slowest process's seconds, and the training time, each including
+        the part before a --resume."""
         images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
         if self.fabric and self.world_size > 1:
-            images = self.fabric.all_reduce(images, reduce_op="sum")
+            images = self.fabric.all_reduce(images, reduce_op="sum") / self.args.tensor_parallel
             seconds = self.fabric.all_reduce(seconds, reduce_op="max")
         return {"timed_images": float(images) + self.earlier["timed_images"],
                 "timed_seconds": float(seconds) + self.earlier["timed_seconds"],
@@ -305,8 +375,6 @@ class RunKeeper:
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the finetuned model file, the run record; then the
         checkpoints are removed (nothing left to resume)."""
-        import lightning
-        import torchvision
         args = self.args
         totals = self._totals(train_time_s)
         images_per_s = (totals["timed_images"] / totals["timed_seconds"]
@@ -317,8 +385,11 @@ class RunKeeper:
         state = plain_state_dict(model)  # every process takes part when the model is sharded
         self.print(f"Time elapsed {totals['train_time_s'] / 60:.2f} min")
         self.print(f"Memory used: {memory:.02f} GB")
+        self.print(f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
+                   f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
+                   "steps and each epoch's first are not)")
         if args.synthetic:
-            self.print(f"Throughput {images_per_s:.1f} images/s (synthetic data: no accuracy)")
+            self.print("Synthetic data: no accuracy")
         else:
             self.print(f"Test accuracy {test_acc * 100:.2f}%")
         if self.rank == 0:
@@ -327,24 +398,32 @@ class RunKeeper:
             write_atomically(args.save_model, buffer.getvalue())
             precision = self.fabric.strategy.precision.precision if self.fabric else "32-true"
             strategy = type(self.fabric.strategy).__name__ if self.fabric else "SingleDeviceStrategy"
+            strategy = STRATEGIES.get(strategy, strategy)
+            if args.tensor_parallel > 1:
+                strategy = "tensor-parallel+fsdp2"
             append_record(args.results, {
-                "script": args.script, "smoke": args.smoke, "synthetic": args.synthetic,
+                "script": args.script, "kind": args.kind or "full", "smoke": args.smoke,
+                "synthetic": args.synthetic, "init": getattr(args, "init", None),
                 "resumed": self.resumed, "accelerator": args.accelerator,
                 "device_name": device_name(args.accelerator), "devices": args.devices,
                 "num_nodes": args.num_nodes, "world_size": self.world_size,
-                "precision": precision, "strategy": STRATEGIES.get(strategy, strategy),
+                "data_parallel_size": args.data_parallel,
+                "tensor_parallel_size": args.tensor_parallel,
+                "precision": precision, "strategy": strategy,
                 "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
                 "max_steps": args.max_steps, "steps": self.steps,
                 "train_time_s": round(totals["train_time_s"], 3),
                 "images_per_s": None if images_per_s is None else round(images_per_s, 2),
+                "timed_images": int(totals["timed_images"]),
+                "timed_seconds": round(totals["timed_seconds"], 3),
                 "peak_memory_gb": round(memory, 4),
                 "parameters_per_process": [int(n) for n in self.held_parameters],
                 "train_loss": self.train_loss, "lr": self.lr,
                 "val_acc": None if args.synthetic else self.val_acc,
                 "test_acc": None if args.synthetic else test_acc,
-                "model_file": str(args.save_model),
-                "torch": torch.__version__, "torchvision": torchvision.__version__,
-                "lightning": lightning.__version__, "python": platform.python_version(),
+                "model_file": str(args.save_model), "compiled": compiled(),
+                "torch": torch.__version__, "torchvision": version("torchvision"),
+                "lightning": version("lightning"), "python": platform.python_version(),
                 "hostname": socket.gethostname(),
                 "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             })
@@ -367,6 +446,20 @@ class RunKeeper:
         if self.fabric and self.world_size > 1:
             return [int(n) for n in self.fabric.all_gather(torch.tensor([number])).flatten()]
         return [number]
+
+
+def compiled():
+    """Whether torch.compile compiled anything in this process."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return bool(dynamo and dynamo.counters["stats"]["unique_graphs"])
+
+
+def version(package):
+    """A package's version without importing it (lightning takes seconds to import)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
@@ -406,6 +499,8 @@ def count_parameters(model):
 def plain_state_dict(model):
     """The model's whole state dict on the CPU, with the keys of torchvision's model: FSDP2's
     shards gathered (every process must call this), torch.compile's "_orig_mod." dropped."""
+    import logging  # gathering a 2-D (tensor x data parallel) shard warns that it takes two
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # steps
     state = {}
     for key, value in model.state_dict().items():
         if hasattr(value, "full_tensor"):  # a DTensor: a shard of an FSDP2 parameter
@@ -429,8 +524,7 @@ def load_model_file(model, path):
     except FileNotFoundError:
         fail(f"no model file {path}: a finished training run writes one (see --save-model).")
     except Exception as err:
-        fail(f"{path} is not a readable model file ({type(err).__name__}: "
-             f"{(str(err).strip().splitlines() or [''])[0]}); it may be truncated.")
+        fail(f"{path} is not a readable model file: {why_unloadable(err)}.")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         fail(f"{path} is not a model file of this suite (not a state dict of tensors).")
     try:

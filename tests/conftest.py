@@ -17,7 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
            "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
-           "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py"]
+           "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py",
+           "10_fabric-vit-tensor-parallel.py"]
 # 06 runs its smoke test as two torchrun 'nodes' of one CPU process each; 05 and 07 run as
 # Fabric launches them (--smoke on a CPU: 2 processes).
 TWO_NODES = "06_fabric-vit-mixed-fsdp.py"

@@ -1,7 +1,9 @@
 """benchmark.py and gpu_check.sh: MFU from the right peaks, the table from the records, the bare
 loop beside each configuration, and the one GPU command at smoke size."""
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -52,15 +54,25 @@ def test_mfu_and_ratios_in_the_rows():
     assert rows[0]["mfu"] == pytest.approx(100 * 105e9 / 67e12) and rows[0]["vs_bare"] is None
 
 
+def without_the_interpreter_on_path(tmp_path):
+    """An environment whose PATH lacks the folder of the interpreter running the tests (as with a
+    virtual environment that is not activated): only sys.executable reaches the packages."""
+    folder = os.path.dirname(sys.executable)
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and os.path.realpath(p) !=
+            os.path.realpath(folder) and "pyenv" not in p]
+    return script_env(tmp_path, PATH=os.pathsep.join(path))
+
+
 def test_peaks_command_prints_the_table(tmp_path):
-    proc = subprocess.run(["python", str(ROOT / "benchmark.py"), "--peaks"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--peaks"], cwd=tmp_path,
+                          env=without_the_interpreter_on_path(tmp_path), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
     assert re.search(r"^H200\s+67\.0\s+494\.5\s+989\.5$", proc.stdout, re.M)
 
 
 def test_benchmark_rejects_unknown_scripts(tmp_path):
-    proc = subprocess.run(["python", str(ROOT / "benchmark.py"), "--scripts", "11"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--scripts", "11"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "unknown script 11" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -33,6 +33,7 @@ def loader_args(data_dir, **overrides):
     values = dict(smoke=False, synthetic=False, data_dir=str(data_dir), no_download=True,
                   batch_size=4, num_workers=0, seed=123, world_size=1, max_steps=None)
     values.update(overrides)
+    values["data_parallel"] = values["world_size"]
     return argparse.Namespace(**values)
 
 
@@ -83,6 +84,7 @@ def test_cifar10_download_impossible(tmp_path, capsys, offline):
     assert "could not be downloaded" in err and str(tmp_path / "data") in err
     assert lu.CIFAR10_URL in err
     assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "data").exists()  # the folder this run made, removed again
 
 
 def test_smoke_digits_split_is_fixed_and_learnable_shape():

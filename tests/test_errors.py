@@ -83,7 +83,7 @@ def test_defaults_reproduce_the_talk(argv):
 def test_smoke_keeps_the_global_batch_on_two_processes(argv):
     args = argv("--smoke", script="06_fabric-vit-mixed-fsdp.py", devices=4)
     assert (args.devices, args.batch_size, args.epochs, args.accelerator) == \
-        (2, 8, lu.SMOKE_EPOCHS, "cpu")
+        (2, 8, lu.SMOKE_EPOCHS[3], "cpu")
     assert args.checkpoint_dir.endswith("06_fabric-vit-mixed-fsdp-smoke")
     assert args.save_model == "models/06_fabric-vit-mixed-fsdp-smoke.pt"
     assert argv("--smoke", "--devices", "4", script="06_fabric-vit-mixed-fsdp.py",
@@ -127,3 +127,57 @@ def test_torch_compile_without_a_cpp_compiler(tmp_path, earlier_records):
     assert len(errors) == 1 and "No working C++ compiler" in errors[0]
     assert "run without compiling: python 01_pytorch-vit.py" in errors[0]
     assert earlier_records.read_bytes() == before and not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize("flags, processes", [
+    ([], 2), (["--devices", "3"], 3), (["--devices=3"], 3), (["--device", "3"], 3)])
+def test_devices_given_in_any_spelling_are_taken(argv, flags, processes):
+    """Only a smoke run that names no --devices is capped to 2 processes on a CPU."""
+    args = argv("--smoke", *flags, script="05_fabric-vit-mixed-ddp.py", devices=4)
+    assert args.devices == processes
+
+
+def test_a_smoke_batch_that_16_does_not_divide_is_said(argv):
+    import run_keeping as rk
+    args = argv("--smoke", "--devices", "3", script="05_fabric-vit-mixed-ddp.py", devices=4)
+    assert (args.batch_size, args.data_parallel) == (5, 3)
+    keeper = rk.RunKeeper.__new__(rk.RunKeeper)  # only its words, no run
+    keeper.args = args
+    assert "The batch is 5 per data-parallel process, 15 in all, not the talk's 16" in keeper.kind_line()
+
+
+def test_a_gpu_asked_for_on_a_machine_without_one(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        argv("--smoke", "--accelerator", "cuda", script="04_fabric-vit-mixed-precision.py")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "(--accelerator cuda) but this machine has 0" in err and "--devices" not in err
+
+
+def test_each_kind_of_run_has_its_own_folder_and_file(argv):
+    kinds = {}
+    for flags in ([], ["--smoke"], ["--synthetic"], ["--smoke", "--synthetic"]):
+        args = argv("--accelerator", "cpu", *flags, script="04_fabric-vit-mixed-precision.py")
+        kinds[args.kind] = (args.checkpoint_dir, args.save_model)
+    assert list(kinds) == ["", "smoke", "synthetic", "smoke-synthetic"]
+    assert len({c for c, _ in kinds.values()}) == len({m for _, m in kinds.values()}) == 4
+    assert kinds["smoke-synthetic"] == ("checkpoints/04_fabric-vit-mixed-precision-smoke-synthetic",
+                                        "models/04_fabric-vit-mixed-precision-smoke-synthetic.pt")
+
+
+def test_gpu_check_without_a_gpu_points_at_its_smoke_size(tmp_path):
+    import subprocess
+    from conftest import ROOT
+    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh")], cwd=tmp_path,
+                          env=script_env(tmp_path, GPU_CHECK_DIR=str(tmp_path / "out")),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("bash gpu_check.sh --smoke") and "about a day" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_smoke_epochs_take_the_talks_shape(argv):
+    """The talk: 10 epochs from random init (00), 3 finetuning; --smoke: 00 more, 01 half."""
+    scratch = argv("--smoke", script="00_pytorch-vit-random-init.py", epochs=10).epochs
+    finetune = argv("--smoke", script="01_pytorch-vit.py", epochs=3).epochs
+    assert finetune >= 2 and 2 * finetune <= scratch  # 2: the kill-and-resume tests need it

@@ -74,3 +74,42 @@ def test_fast_recipe_smoke_run(tmp_path):
     lr = record["lr"]  # each epoch's first step: warming up, then decaying
     assert lr[0] < lr[1] and all(a > b for a, b in zip(lr[1:], lr[2:])), lr
     assert proc.wall_s <= 60, f"took {proc.wall_s:.0f} s"
+
+
+@pytest.mark.slow
+def test_the_gpu_path_runs_on_a_cpu(tmp_path):
+    """09 --smoke --compile-on-cpu takes the branch a GPU takes (torch.compile before Fabric's
+    setup, the fused AdamW): it learns, a killed run resumes to the same numbers, and its model
+    file loads into plain torchvision and into 08."""
+    import signal
+
+    import run_keeping as rk
+    from conftest import kill_group, start_script, wait_for
+    flags = ["--smoke", "--compile-on-cpu"]
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    whole.mkdir(), broken.mkdir()
+    proc = run_script(FAST, *flags, cwd=whole, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_records(whole / "results" / "runs.jsonl")[-1]
+    assert record["compiled"] is True and record["test_acc"] >= 0.9
+
+    started = start_script(FAST, *flags, cwd=broken)
+    reached = wait_for(broken / "checkpoints" / "09_fabric-vit-fast-smoke" / rk.LATEST, started, 240)
+    kill_group(started, signal.SIGKILL)
+    assert reached
+    resumed = run_script(FAST, *flags, "--resume", cwd=broken, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = read_records(broken / "results" / "runs.jsonl")[-1]
+    assert again["resumed"] is True and again["compiled"] is True
+    for a, b in zip(again["train_loss"], record["train_loss"], strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    assert (again["lr"], again["val_acc"], again["test_acc"]) == \
+        (record["lr"], record["val_acc"], record["test_acc"])
+
+    model = lu.smoke_vit()
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    model.load_state_dict(torch.load(whole / record["model_file"], weights_only=True))
+    evaluated = run_script("08_load-and-evaluate.py", "--smoke", "--model", record["model_file"],
+                           cwd=whole)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert f"Test accuracy {record['test_acc'] * 100:.2f}%" in evaluated.stdout

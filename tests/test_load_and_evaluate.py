@@ -19,6 +19,7 @@ def run_08(run, *flags):
 @pytest.mark.parametrize("script, images_apart", [
     ("04_fabric-vit-mixed-precision.py", 0),  # one process, bf16-mixed: the same figure
     ("06_fabric-vit-mixed-fsdp.py", 1),       # 2 FSDP2 processes (bf16 parameters) vs. autocast
+    ("10_fabric-vit-tensor-parallel.py", 1),  # each MLP split in two, summed in bf16
 ])
 def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, images_apart):
     run = smoke_runs(script)
@@ -72,6 +73,7 @@ def small_vit():
 @pytest.mark.parametrize("content, words", [
     (None, "no model file"),
     (b"PK\x03\x04 truncated", "is not a readable model file"),
+    (b"# A README, given as --model by mistake\n", "not a file that torch.save wrote"),
     ({"weights": [1, 2, 3]}, "not a model file of this suite"),
     ({"fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)}, "holds another model"),
 ])
@@ -86,6 +88,7 @@ def test_bad_model_files(tmp_path, capsys, content, words):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(path) in err and words in err, err
+    assert "weights_only" not in err  # never advice to load a file of unknown origin unsafely
 
 
 def test_a_good_model_file_loads(tmp_path):
@@ -96,3 +99,18 @@ def test_a_good_model_file_loads(tmp_path):
     rk.load_model_file(fresh, path)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                    model.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_08_checks_the_images_first_and_names_the_smoke_models(smoke_runs, tmp_path):
+    from PIL import Image
+    missing = run_script("08_load-and-evaluate.py", "--predict", "seven.png", cwd=tmp_path)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert "cannot read the image seven.png" in missing.stderr  # before looking for a model
+    seven = tmp_path / "seven.png"
+    Image.new("RGB", (20, 20)).save(seven)
+    run = smoke_runs("04_fabric-vit-mixed-precision.py")
+    only_smoke = run_script("08_load-and-evaluate.py", "--predict", str(seven), cwd=run.dir)
+    assert only_smoke.returncode == 2
+    assert ("Only --smoke models are there (models/04_fabric-vit-mixed-precision-smoke.pt): add "
+            "--smoke") in only_smoke.stderr

@@ -1,6 +1,8 @@
 """plot_results.py on records from real --smoke runs, on talk-format logs, and on bad input."""
 import json
+import os
 import re
+import stat
 import subprocess
 import sys
 
@@ -55,7 +57,8 @@ def test_chart_and_table_from_real_smoke_runs(smoke_records, tmp_path):
     assert list(rows) == sorted(records)
     ips01 = records["01_pytorch-vit.py"]["images_per_s"]
     for script, r in records.items():
-        time_min, talk_time, acc, talk_acc, mem, talk_mem, ips, speedup, talk_speedup = rows[script]
+        time_min, talk_time, acc, talk_acc, mem, talk_mem, ips, speedup, talk_speedup, n, spread = rows[script]
+        assert (n, spread) == ("1", "-")  # one seed each
         assert time_min == f"{r['train_time_s'] / 60:.2f}"
         assert acc == f"{r['test_acc'] * 100:.2f}"
         assert mem == f"{r['peak_memory_gb']:.2f}"
@@ -188,7 +191,10 @@ def test_the_default_chart_goes_to_a_path_git_ignores(tmp_path):
     records.write_text("".join(json.dumps(r) + "\n" for r in fake_records().values()))
     proc = plot(cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert (tmp_path / "results" / "charts.png").exists()
+    chart = tmp_path / "results" / "charts.png"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(chart.stat().st_mode) == 0o666 & ~umask  # as the records and models
     ignored = subprocess.run(["git", "check-ignore", "-q", "results/charts.png"], cwd=ROOT)
     assert ignored.returncode == 0
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "results/charts.png"],
@@ -213,3 +219,40 @@ def test_a_failed_chart_write_leaves_the_old_chart(tmp_path, monkeypatch, capsys
     assert f"cannot write {out}: No space left on device" in capsys.readouterr().err
     assert out.read_bytes() == b"an earlier chart"
     assert [p.name for p in tmp_path.iterdir()] == ["comparison.png"]
+
+
+def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
+    """Three seeds of 00 and 01, one of 03: means with min-max error bars, n and the range."""
+    records = []
+    for script, accuracies in (("00_pytorch-vit-random-init.py", [0.90, 0.93, 0.96]),
+                               ("01_pytorch-vit.py", [0.95, 0.97, 0.96]),
+                               ("03_fabric-vit.py", [0.96])):
+        for seed, acc in enumerate(accuracies):
+            records.append({"script": script, "seed": seed, "kind": "smoke", "smoke": True,
+                            "train_time_s": 10.0 + seed, "peak_memory_gb": 1.0, "test_acc": acc,
+                            "images_per_s": 100.0 + 10 * seed, "device_name": "CPU", "world_size": 1})
+    records.append(dict(records[0], test_acc=0.5, seed=9, kind="smoke-synthetic"))  # another kind
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = plot("--results", str(path), "--smoke", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout)
+    assert rows["00_pytorch-vit-random-init.py"][2] == "93.00"  # the mean
+    assert rows["00_pytorch-vit-random-init.py"][9:] == ["3", "90.00-96.00"]
+    assert rows["03_fabric-vit.py"][9:] == ["1", "-"]
+    assert rows["01_pytorch-vit.py"][7] == "1.00x"  # speedup of the means
+    kind, latest = plot_results.select(records, "smoke")
+    fig = plot_results.figure(latest, plot_results.load_reference(), kind)
+    accuracy = next(ax for ax in fig.axes if "accuracy" in ax.get_title())
+    errorbars = next(c for c in accuracy.containers if type(c).__name__ == "ErrorbarContainer")
+    lines = errorbars.lines[2][0].get_segments()  # the bars from min to max
+    assert [(round(s[0][1], 2), round(s[1][1], 2)) for s in lines] == \
+        [(90.0, 96.0), (95.0, 97.0), (96.0, 96.0)]
+
+
+def test_the_headline_says_how_many_processes_and_what_smoke_loads():
+    records = fake_records()
+    records["05_fabric-vit-mixed-ddp.py"]["world_size"] = 2
+    assert plot_results.hardware(records) == "NVIDIA H200, 1 or 2 processes per run"
+    label = plot_results.short_label("01_pytorch-vit.py", plot_results.load_reference(), "smoke")
+    assert "printed digits" in label and "ImageNet" not in label

@@ -10,8 +10,8 @@ import torch
 
 import local_utilities as lu
 import run_keeping as rk
-from conftest import check_ok, finish, kill_group, read_records, run_script, script_env, start, \
-    start_script, wait_for
+from conftest import TWO_NODES, check_ok, finish, kill_group, read_records, run_script, \
+    script_env, start, start_script, wait_for
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
@@ -31,7 +31,27 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
 
     procs = start(script, "--smoke", cwd=tmp_path)
     reached = wait_for(ckpt_dir / rk.LATEST, procs[0])
-    outputs = [kill_group(p, signal.SIGKILL) for p in procs]
+    if script == TWO_NODES:
+        # a machine lost mid-run: node 1's torchrun agent and worker killed, as when it dies;
+        # node 0 stops within seconds, saying so in one line of its own, with a documented code
+        began = time.monotonic()
+        kill_group(procs[1], signal.SIGKILL)
+        try:
+            survivor = procs[0].communicate(timeout=30)[0]
+        finally:
+            kill_group(procs[0])
+        assert reached, survivor[-3000:]
+        assert time.monotonic() - began < 15, survivor[-3000:]
+        ours = [line for line in survivor.splitlines() if f"{script}: error:" in line]
+        assert len(ours) == 1, survivor[-3000:]
+        assert "a process of the run was lost" in ours[0] and "epoch-0001.ckpt" in ours[0]
+        assert "the same torchrun/srun launch with --resume added" in ours[0]
+        assert "exitcode  : 3" in survivor  # torchrun's summary names the worker's exit code
+        assert "Read error" not in survivor and "gloo" not in survivor.replace(
+            "distributed_backend=gloo", "")  # no traceback from the worker
+        outputs = [survivor]
+    else:
+        outputs = [kill_group(p, signal.SIGKILL) for p in procs]
     assert reached, outputs[0][-3000:]
     # killed mid-training: the records file is as it was, and valid JSONL
     assert results.read_text() == EARLIER
@@ -57,6 +77,44 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
 
 
 @pytest.mark.slow
+def test_each_kind_of_run_keeps_its_own_files(tmp_path):
+    """An unfinished --smoke --synthetic run neither blocks --smoke nor is continued as one: each
+    kind has its own checkpoint folder, model file and recorded kind."""
+    script = "04_fabric-vit-mixed-precision.py"
+    mixed = ["--smoke", "--synthetic", "--max-steps", "6", "--epochs", "30"]
+    ckpt_dir = tmp_path / "checkpoints" / "04_fabric-vit-mixed-precision-smoke-synthetic"
+    proc = start_script(script, *mixed, cwd=tmp_path)
+    reached = wait_for(ckpt_dir / rk.LATEST, proc)
+    kill_group(proc, signal.SIGKILL)
+    assert reached
+    smoke = run_script(script, "--smoke", cwd=tmp_path)  # the README's first command
+    assert smoke.returncode == 0, smoke.stderr[-3000:]
+    smoke_model = tmp_path / "models" / "04_fabric-vit-mixed-precision-smoke.pt"
+    model_bytes = smoke_model.read_bytes()
+    wrong = run_script(script, "--smoke", "--resume", cwd=tmp_path)  # nothing of its kind
+    assert wrong.returncode == 2
+    assert (f"{ckpt_dir.name} holds one: continue it with python {script} --smoke --synthetic "
+            "--resume") in wrong.stderr
+    right = run_script(script, *mixed, "--resume", cwd=tmp_path)
+    assert right.returncode == 0, right.stderr[-3000:]
+    records = read_records(tmp_path / "results" / "runs.jsonl")
+    assert [(r["kind"], r["smoke"], r["synthetic"], r["resumed"]) for r in records] == \
+        [("smoke", True, False, False), ("smoke-synthetic", True, True, True)]
+    assert records[1]["model_file"] == "models/04_fabric-vit-mixed-precision-smoke-synthetic.pt"
+    assert smoke_model.read_bytes() == model_bytes
+
+
+@pytest.mark.slow
+def test_synthetic_with_nothing_to_time_is_refused(tmp_path):
+    """--synthetic --max-steps 3: every step would be an untimed warm-up step."""
+    proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", "--synthetic", "--max-steps",
+                      "3", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "give --max-steps 4 or more" in proc.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("script, sig, code", [
     ("01_pytorch-vit.py", signal.SIGINT, 130),
     ("01_pytorch-vit.py", signal.SIGTERM, 143),
@@ -69,7 +127,7 @@ def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, script, sig, code):
     results.parent.mkdir()
     results.write_text(EARLIER)
     ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
-    proc = start_script(script, "--smoke", "--seed", "7", cwd=tmp_path)
+    proc = start_script(script, "--smoke", "--seed", "7", "--epochs", "3", cwd=tmp_path)
     reached = wait_for(ckpt_dir / rk.LATEST, proc)
     out = kill_group(proc, sig)  # the whole process group, as a terminal's Ctrl-C or SLURM does
     assert reached, out[-3000:]
@@ -77,11 +135,22 @@ def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, script, sig, code):
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if "interrupted" in line]
     assert len(lines) == 1 and "epoch-0001.ckpt" in lines[0], out[-3000:]
-    command = f"python {script} --smoke --seed 7 --resume"
+    command = f"python {script} --smoke --seed 7 --epochs 3 --resume"
     assert lines[0].endswith(f"continue with: {command}")
     assert results.read_text() == EARLIER
     assert (ckpt_dir / "epoch-0001.ckpt").exists()
-    if sig == signal.SIGINT and script.startswith("01"):  # the printed command, as printed
+    if sig == signal.SIGINT and script.startswith("01"):
+        # --resume with other settings: refused in one line naming each, with the command
+        changed = run_script(script, "--smoke", "--resume", "--batch-size", "8", "--seed", "9",
+                             "--epochs", "2", cwd=tmp_path)
+        assert changed.returncode == 2 and "Traceback" not in changed.stderr
+        errors = [line for line in changed.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1, changed.stderr
+        for difference in ("batch_size 16 (now 8)", "seed 7 (now 9)", "epochs 3 (now 2)"):
+            assert difference in errors[0]
+        assert errors[0].endswith(f"Continue it as started: {command}")
+        assert (ckpt_dir / "epoch-0001.ckpt").exists() and results.read_text() == EARLIER
+        # the printed command, as printed
         resumed = run_script(script, *command.split()[2:], cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert read_records(results)[-1]["resumed"] is True
@@ -197,16 +266,49 @@ def write_checkpoint(args, **meta):
     latest = os.path.join(args.checkpoint_dir, rk.LATEST)
     if meta:
         data = json.load(open(latest))
+        data["settings"].update(meta.pop("settings", {}))
         data.update(meta)
         json.dump(data, open(latest, "w"))
     return latest
 
 
-@pytest.mark.parametrize("meta, words", [
-    ({"script": "03_fabric-vit.py"}, ["from 03_fabric-vit.py with 1 process"]),
-    ({"world_size": 2}, ["with 2 process(es)", "with 1"]),
+@pytest.mark.parametrize("flags, difference", [
+    (["--batch-size", "8"], "batch_size 16 (now 8)"),
+    (["--seed", "7"], "seed 123 (now 7)"),
+    (["--epochs", "5"], "epochs 2 (now 5)"),
+    (["--max-steps", "3"], "max_steps None (now 3)"),
+    (["lr=1e-4"], "lr 5e-05 (now 0.0001)"),
+    (["precision=bf16-mixed"], "precision 32-true (now bf16-mixed)"),
 ])
-def test_resume_from_another_script_or_world_size(parse, tmp_path, capsys, meta, words):
+def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, difference):
+    """Each setting that shapes a run, changed on --resume: one line naming it and the command
+    that continues the run as it started, exit 2, the checkpoint untouched."""
+    import lightning as L
+    ck = str(tmp_path / "ck")
+    write_checkpoint(parse("--checkpoint-dir", ck))
+    before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}
+    flags = [f for f in flags if "=" not in f]
+    args = parse("--resume", "--checkpoint-dir", ck, *flags)
+    model = lu.build_vit(None, args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4 if "lr" in difference else 5e-5)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed") \
+        if "precision" in difference else None
+    with pytest.raises(SystemExit) as exit_info:
+        rk.RunKeeper(args, fabric).resume(model, optimizer, train_loader=[None])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and difference in err, err
+    assert err.endswith(f"Continue it as started: python 01_pytorch-vit.py --smoke --checkpoint-dir {ck} --resume")
+    assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
+
+
+@pytest.mark.parametrize("meta, words", [
+    ({"script": "03_fabric-vit.py"}, ["from 03_fabric-vit.py (smoke run); this is 01_pytorch-vit.py"]),
+    ({"kind": "smoke-synthetic"}, ["(smoke-synthetic run); this is 01_pytorch-vit.py (smoke run)"]),
+    ({"settings": {"world_size": 2}}, ["world_size 2 (now 1)"]),
+    ({"settings": {"tensor_parallel": 2}}, ["tensor_parallel 2 (now 1)"]),
+])
+def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, meta, words):
     ck = str(tmp_path / "ck")
     write_checkpoint(parse("--checkpoint-dir", ck), **meta)
     before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}

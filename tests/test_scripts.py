@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, SCRIPTS, script_env
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
-RECORD_KEYS = {"script", "smoke", "synthetic", "resumed", "accelerator", "device_name", "devices",
+RECORD_KEYS = {"script", "kind", "init", "data_parallel_size", "tensor_parallel_size", "smoke", "synthetic", "resumed", "accelerator", "device_name", "devices",
                "num_nodes", "world_size", "precision", "strategy", "epochs", "batch_size", "seed",
                "steps", "train_time_s", "images_per_s", "peak_memory_gb", "train_loss", "lr",
                "val_acc", "test_acc", "model_file", "parameters_per_process", "torch",
@@ -20,7 +20,8 @@ EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val
                         re.M)
 # measured here (2 cores): 02 compiles for about 40 s; 05-07 start 2 processes
 WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 180, "05_fabric-vit-mixed-ddp.py": 150,
-                "06_fabric-vit-mixed-fsdp.py": 150, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 150}
+                "06_fabric-vit-mixed-fsdp.py": 150, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 150,
+                "10_fabric-vit-tensor-parallel.py": 150}
 
 
 @pytest.mark.slow
@@ -42,10 +43,16 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
     assert re.search(r"^Time elapsed \d+\.\d{2} min$", out, re.M)
     assert re.search(r"^Memory used: \d+\.\d{2} GB$", out, re.M)
     assert f"Test accuracy {record['test_acc'] * 100:.2f}%" in out
+    assert f"Throughput {record['images_per_s']:.1f} training images/s" in out  # a busy machine shows
+    assert record["kind"] == "smoke"
+    pretrained = not script.startswith("00")
+    assert record["init"] == ("pretrained on printed digits, smoke_weights/smoke-vit-printed-digits.pt"
+                              if pretrained else "random init")
     # a smoke run says so in its first lines and its last, and the last names the model file
     lines = [line for line in out.splitlines() if line.strip()]
     before_training = lines[:next(i for i, line in enumerate(lines) if line.startswith("Epoch:"))]
-    assert any(line.startswith("SMOKE RUN on CPU") for line in before_training), before_training
+    assert any(line.startswith("SMOKE RUN on CPU") and record["init"] in line
+               for line in before_training), before_training
     # rank 0's last line (another process sharing the terminal may print after it)
     last = [i for i, line in enumerate(lines) if line.startswith("Run record appended")]
     assert len(last) == 1 and last[0] >= len(lines) - 3, lines[-4:]
@@ -64,6 +71,7 @@ def test_records_say_what_ran(smoke_runs):
         "05_fabric-vit-mixed-ddp.py": ("bf16-mixed", "ddp", 2),
         "06_fabric-vit-mixed-fsdp.py": ("bf16-mixed", "fsdp2-per-block", 2),
         "07_fabric-vit-mixed-fsdp-with-scheduler.py": ("bf16-mixed", "fsdp2-per-block", 2),
+        "10_fabric-vit-tensor-parallel.py": ("bf16-mixed", "tensor-parallel+fsdp2", 2),
     }
     for script, (precision, strategy, world_size) in expected.items():
         record = smoke_runs(script).record
@@ -88,6 +96,7 @@ def test_only_rank_zero_prints_the_training_lines(smoke_runs, script):
     epochs = run.record["epochs"]
     for output in run.outputs:
         assert output.count("Train acc.:") == epochs
+        assert output.count("Python version") == 1  # the watermark block too
         assert output.count("Test accuracy") == (1 if output is run.outputs[0] else 0)
 
 
@@ -102,7 +111,8 @@ CHAIN = [("00_pytorch-vit-random-init.py", "01_pytorch-vit.py", 4),
          ("03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", 2),
          ("04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py", 4),
          ("05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py", 3),
-         ("06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py", 6)]
+         ("06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py", 6),
+         ("06_fabric-vit-mixed-fsdp.py", "10_fabric-vit-tensor-parallel.py", 4)]
 
 
 @pytest.mark.parametrize("a, b, budget", CHAIN)
@@ -144,7 +154,7 @@ def test_the_talks_weights_epochs_batch_and_learning_rate(script):
     assert parse_kwargs["epochs"] == (10 if random_init else 3)
     assert vit_kwargs["weights"] == (None if random_init else "IMAGENET1K_V1")
     assert adam_kwargs == {"lr": 5e-5}
-    assert parse_kwargs.get("devices", 1) == (4 if script[:2] in ("05", "06", "07") else 1)
+    assert parse_kwargs.get("devices", 1) == (4 if script[:2] in ("05", "06", "07", "10") else 1)
 
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)
@@ -193,7 +203,7 @@ def test_help_opens_with_the_scripts_own_technique(tmp_path):
         openings.append(opening)
     assert len(set(openings)) == len(SCRIPTS)
     assert "compile" in openings[2] and "bf16-mixed" in openings[4] and "ddp" in openings[5]
-    assert "ExponentialLR" in openings[7]
+    assert "ExponentialLR" in openings[7] and "tensor parallel" in openings[8]
 
 
 def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
@@ -207,3 +217,16 @@ def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
     with pytest.raises(pytest.fail.Exception) as failure:
         check_ok([killed, fine], outputs, "a run")
     assert "exit codes [-9, 0]" in str(failure.value) and "last words" in str(failure.value)
+
+
+@pytest.mark.slow
+def test_a_smoke_run_leaves_git_status_clean(smoke_runs):
+    """Everything the README's first command writes (record, model, checkpoints while it runs)
+    lies where the project's .gitignore ignores it."""
+    run = smoke_runs("04_fabric-vit-mixed-precision.py")
+    written = [str(p.relative_to(run.dir)) for p in run.dir.rglob("*") if p.is_file()]
+    assert "models/04_fabric-vit-mixed-precision-smoke.pt" in written
+    written.append("checkpoints/04_fabric-vit-mixed-precision-smoke/latest.json")
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching",
+                           *written], cwd=ROOT, capture_output=True, text=True)
+    assert not [line for line in proc.stdout.splitlines() if line.startswith("::")], proc.stdout

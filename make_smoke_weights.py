@@ -1,0 +1,182 @@
+"""Pretrained weights for the --smoke ViT: the offline demo's stand-in for ImageNet.
+
+The talk finetunes a ViT that was pretrained on a large generic data set (ImageNet) on a small
+specific one (CIFAR-10). The offline demo does the same at its own scale: this script pretrains
+the 3-layer smoke ViT on *printed* digits rendered from the fonts that matplotlib ships (random
+font, size, position, slant, rotation and stroke width), each reduced to the 8x8 grid of 17 grey
+levels in which scikit-learn's *handwritten* digits come (the UCI set: 32x32 bitmaps counted in
+4x4 blocks). `--smoke` then finetunes these weights on the handwritten digits, which this script
+never sees. It writes smoke_weights/smoke-vit-printed-digits.pt (a state dict, about 2 MB) and its
+provenance beside it (.json: data, steps, seed, versions, pretext accuracy, sha256).
+
+    python make_smoke_weights.py            # about 4 minutes on 2 CPU cores
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent
+OUTPUT = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"
+CANVAS = 32  # the UCI digits' bitmaps: 32x32, then 4x4 blocks counted into 8x8 of 0..16
+ELASTIC_ALPHA, ELASTIC_SIGMA = float(os.environ.get("EA", 34)), float(os.environ.get("ES", 4))
+LOGIT_SCALE = float(os.environ.get("LS", 1))
+WEIGHT_DECAY = float(os.environ.get("WD", 0.05))
+
+
+def digit_fonts():
+    """matplotlib's TrueType fonts that draw ten distinct digits (not the symbol fonts)."""
+    import matplotlib
+    from PIL import ImageFont
+    folder = Path(matplotlib.get_data_path()) / "fonts" / "ttf"
+    fonts = []
+    for path in sorted(folder.glob("*.ttf")):
+        if path.stem in ("cmex10", "cmsy10"):  # TeX's symbol fonts: their "digits" are symbols
+            continue
+        font = ImageFont.truetype(str(path), 40)
+        shapes = {bytes(font.getmask(str(d))) for d in range(10)}
+        if len(shapes) == 10 and all(any(s) for s in shapes):
+            fonts.append(path)
+    return fonts
+
+
+def render_digits(count, seed, fonts=None):
+    """`count` printed digits as (N x 8 x 8 uint8 in 0..16, N labels): each drawn in a random
+    font and stroke, slanted and rotated, scaled to a random height and placed at a random spot
+    of a 32x32 bitmap, thresholded, then counted in 4x4 blocks as the UCI digits were."""
+    from PIL import Image, ImageDraw, ImageFont
+    fonts = fonts or digit_fonts()
+    rng = np.random.RandomState(seed)
+    cache = {}
+    images = np.zeros((count, 8, 8), dtype=np.uint8)
+    labels = rng.randint(0, 10, size=count)
+    for i, label in enumerate(labels):
+        key = (int(rng.randint(len(fonts))), int(rng.randint(1, 4)))
+        if key not in cache:
+            cache[key] = ImageFont.truetype(str(fonts[key[0]]), 48)
+        glyph = Image.new("L", (96, 96))
+        ImageDraw.Draw(glyph).text((48, 48), str(label), fill=255, font=cache[key], anchor="mm",
+                                   stroke_width=key[1], stroke_fill=255)
+        slant = rng.uniform(-0.3, 0.3)
+        glyph = glyph.transform(glyph.size, Image.AFFINE, (1, slant, -slant * 48, 0, 1, 0),
+                                resample=Image.BILINEAR)
+        glyph = glyph.rotate(rng.uniform(-15, 15), resample=Image.BILINEAR)
+        box = glyph.getbbox()
+        if box is None:
+            continue
+        glyph = glyph.crop(box)
+        height = rng.randint(24, CANVAS + 1)
+        width = max(1, min(CANVAS, round(glyph.width * height / glyph.height * rng.uniform(0.7, 1.3))))
+        glyph = glyph.resize((width, height), Image.BILINEAR)
+        canvas = Image.new("L", (CANVAS, CANVAS))
+        canvas.paste(glyph, (rng.randint(0, CANVAS - width + 1), rng.randint(0, CANVAS - height + 1)))
+        bits = elastic(np.asarray(canvas, dtype=np.float32), rng) >= 128
+        images[i] = bits.reshape(8, 4, 8, 4).sum(axis=(1, 3))
+    return images, labels
+
+
+def elastic(image, rng, alpha=ELASTIC_ALPHA, sigma=ELASTIC_SIGMA):
+    """A smooth random displacement of every pixel (Simard et al. 2003): the wobble by which one
+    hand's strokes differ from another's, and from a font's."""
+    from scipy.ndimage import gaussian_filter, map_coordinates
+    dy, dx = (gaussian_filter(rng.uniform(-1, 1, image.shape), sigma) * alpha for _ in range(2))
+    y, x = np.meshgrid(np.arange(image.shape[0]), np.arange(image.shape[1]), indexing="ij")
+    return map_coordinates(image, (y + dy, x + dx), order=1)
+
+
+def as_smoke_images(grids):
+    """8x8 grids of 0..16 to the --smoke model's input, exactly as local_utilities.digits_datasets
+    prepares scikit-learn's digits: /16, bilinear to 32x32, three channels."""
+    from local_utilities import SMOKE_IMAGE_SIZE
+    images = torch.as_tensor(grids, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
+    return images.clamp(0, 1).repeat(1, 3, 1, 1)
+
+
+@torch.no_grad()
+def accuracy(model, images, labels, batch=500):
+    model.eval()
+    right = sum((model(images[i:i + batch]).argmax(1) == labels[i:i + batch]).sum().item()
+                for i in range(0, len(labels), batch))
+    return right / len(labels)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=60000, help="printed digits to train on")
+    parser.add_argument("--steps", type=int, default=3000, help="Adam steps of batch 128")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=str(OUTPUT), help=f"default {OUTPUT.relative_to(ROOT)}")
+    args = parser.parse_args()
+    from local_utilities import smoke_vit
+
+    began = time.time()
+    torch.manual_seed(args.seed)
+    fonts = digit_fonts()
+    grids, labels = render_digits(args.images, seed=args.seed, fonts=fonts)
+    test_grids, test_labels = render_digits(2000, seed=args.seed + 1, fonts=fonts)
+    images, labels = as_smoke_images(grids), torch.as_tensor(labels)
+    test_images, test_labels = as_smoke_images(test_grids), torch.as_tensor(test_labels)
+    print(f"rendered {len(labels):,} + {len(test_labels):,} printed digits from {len(fonts)} "
+          f"fonts in {time.time() - began:.0f} s", flush=True)
+
+    model = smoke_vit()
+    if os.environ.get("FH"):
+        model.heads.head.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, weight_decay=WEIGHT_DECAY)
+    warmup = args.steps // 20
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) *
+                                                 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    generator = torch.Generator().manual_seed(args.seed)
+    for step in range(args.steps):
+        model.train()
+        index = torch.randint(0, len(labels), (128,), generator=generator)
+        loss = F.cross_entropy(model(images[index]) * LOGIT_SCALE, labels[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 500 == 0 or step == args.steps - 1:
+            print(f"step {step:5d}/{args.steps} | loss {loss.item():.4f}", flush=True)
+    pretext_accuracy = accuracy(model, test_images, test_labels)
+    print(f"pretext test accuracy (2,000 unseen printed digits): {pretext_accuracy * 100:.2f}%")
+
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad():  # the head as trained, scale included
+        model.heads.head.weight.mul_(LOGIT_SCALE)
+        model.heads.head.bias.mul_(LOGIT_SCALE)
+    torch.save(model.state_dict(), output)
+    import matplotlib
+    import PIL
+    import torchvision
+    provenance = {
+        "file": output.name, "sha256": hashlib.sha256(output.read_bytes()).hexdigest(),
+        "model": "torchvision VisionTransformer(image_size=32, patch_size=16, num_layers=3, "
+                 "num_heads=4, hidden_dim=128, mlp_dim=256), head Linear(128, 10)",
+        "data": f"{args.images} printed digits rendered by make_smoke_weights.render_digits "
+                f"(seed {args.seed}) from {len(fonts)} matplotlib fonts: "
+                + ", ".join(p.name for p in fonts),
+        "not_used": "scikit-learn's handwritten digits (the --smoke data) are never seen here",
+        "steps": args.steps, "batch_size": 128, "optimizer": "AdamW lr 1e-3, weight decay 0.05, "
+        "5% warm-up, cosine", "seed": args.seed,
+        "pretext_test_accuracy": round(pretext_accuracy, 4),
+        "seconds": round(time.time() - began), "machine": f"{platform.machine()}, "
+        f"{os.cpu_count()} cores", "python": platform.python_version(),
+        "torch": torch.__version__, "torchvision": torchvision.__version__,
+        "pillow": PIL.__version__, "matplotlib": matplotlib.__version__, "numpy": np.__version__,
+    }
+    output.with_suffix(".json").write_text(json.dumps(provenance, indent=1) + "\n")
+    print(f"wrote {output} and {output.with_suffix('.json').name} in {time.time() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""10, tensor parallelism: each MLP split across processes, the same maths as one process, each
+training image counted once, and TP x DP on four processes."""
+import argparse
+
+import pytest
+import torch
+
+import local_utilities as lu
+from conftest import read_records, run_script
+
+TP = "10_fabric-vit-tensor-parallel.py"
+# Per-epoch mean losses of a TP=2 run against a TP=1 run of the same script and data order. The
+# split changes only where sums are rounded: RowwiseParallel adds the two halves of each MLP's
+# output in an all-reduce, under bf16-mixed autocast the halves are bfloat16 (8 significant
+# bits, a relative rounding step of 2**-8 = 0.4%), and Adam follows the slightly different
+# gradients for 148 steps. Measured here: 0.2% apart at most; a wrong split (each process
+# seeing half a batch, or a missing all-reduce) is off by far more than 1%.
+LOSS_TOLERANCE = 0.01
+
+
+def smoke_parameters():
+    """(all parameters, those a tensor-parallel split of 2 leaves each process) of the smoke ViT
+    with 10 classes: each MLP's first Linear (weight, bias) and second weight are halved."""
+    model = lu.build_vit(None, argparse.Namespace(smoke=True, synthetic=False))
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    total = sum(p.numel() for p in model.parameters())
+    split = sum(layer.mlp[0].weight.numel() + layer.mlp[0].bias.numel() + layer.mlp[3].weight.numel()
+                for layer in model.encoder.layers)
+    return total, total - split // 2
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """10 --smoke with --tensor-parallel 1 on one process: the same script without the split."""
+    cwd = tmp_path_factory.mktemp("tp1")
+    proc = run_script(TP, "--smoke", "--devices", "1", "--tensor-parallel", "1", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_records(cwd / "results" / "runs.jsonl")[-1]
+
+
+@pytest.mark.slow
+def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
+    tp2, tp1 = smoke_runs(TP).record, one_process_run
+    assert (tp2["tensor_parallel_size"], tp2["data_parallel_size"], tp2["world_size"]) == (2, 1, 2)
+    assert (tp1["tensor_parallel_size"], tp1["data_parallel_size"], tp1["world_size"]) == (1, 1, 1)
+    # both processes of the pair train on the same batch of 16: as many steps as one process
+    assert tp2["batch_size"] == tp1["batch_size"] == lu.SMOKE_GLOBAL_BATCH
+    assert tp2["steps"] == tp1["steps"] == tp1["epochs"] * (1197 // lu.SMOKE_GLOBAL_BATCH)
+    assert len(tp2["train_loss"]) == len(tp1["train_loss"]) == tp1["epochs"]
+    for a, b in zip(tp2["train_loss"], tp1["train_loss"]):
+        assert abs(a - b) <= LOSS_TOLERANCE * b, (tp2["train_loss"], tp1["train_loss"])
+    assert abs(tp2["test_acc"] - tp1["test_acc"]) <= 0.02 and tp2["test_acc"] >= 0.85
+    # each training image counted once, though two processes trained on it
+    assert tp2["timed_images"] == tp1["timed_images"]
+
+
+@pytest.mark.slow
+def test_each_process_holds_half_of_each_mlp(smoke_runs):
+    run = smoke_runs(TP)
+    total, held = smoke_parameters()
+    assert run.record["parameters_per_process"] == [held, held]
+    assert f"Parameters held per process: {held:,} + {held:,} of {total:,}" in run.out
+    assert run.record["strategy"] == "tensor-parallel+fsdp2"
+
+
+@pytest.mark.slow
+def test_tensor_and_data_parallel_on_four_processes(tmp_path):
+    """--devices 4: TP 2 x DP 2; the smoke batch split over the 2 data-parallel replicas only,
+    and FSDP2 halving again what the split leaves each process."""
+    proc = run_script(TP, "--smoke", "--devices", "4", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert (record["tensor_parallel_size"], record["data_parallel_size"]) == (2, 2)
+    assert record["batch_size"] == lu.SMOKE_GLOBAL_BATCH // 2
+    assert record["steps"] == record["epochs"] * (1197 // lu.SMOKE_GLOBAL_BATCH)
+    _, held = smoke_parameters()
+    assert all(abs(n - held / 2) <= 0.01 * held for n in record["parameters_per_process"])
+    assert record["test_acc"] >= 0.85
+
+
+@pytest.mark.slow
+def test_the_model_file_is_whole_and_plain(smoke_runs):
+    """The split gathered: torchvision's model loads the file as it is."""
+    run = smoke_runs(TP)
+    model = lu.smoke_vit()
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    state = torch.load(run.dir / run.record["model_file"], weights_only=True)
+    model.load_state_dict(state)
+    assert state["encoder.layers.encoder_layer_0.mlp.0.weight"].shape == (256, 128)
+    assert not any(type(v) is not torch.Tensor for v in state.values())
