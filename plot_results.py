@@ -282,7 +282,7 @@ def figure(latest, reference, kind):
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
     lines = headline.count("\n") + 2
-    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.011 * lines))  # room for the headline, no more
+    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.0085 * lines))  # room for the headline, no more
     return fig
 
 

@@ -90,16 +90,18 @@ ROW = re.compile(r"^\| (\S+(?: loop)?) \| (\d+) \| (\S+) \| (\S+) \| (\d+) \| ([
 @pytest.mark.slow
 def test_gpu_check_at_smoke_size(tmp_path):
     """`bash gpu_check.sh --smoke`: every training script, the bare loops and the report, with
-    the table's figures taken from the records."""
-    env = script_env(tmp_path, GPU_CHECK_DIR=str(tmp_path / "out"))
-    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "--smoke"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    the table's figures taken from the records; run by the interpreter PYTHON names, which is
+    not on PATH."""
+    env = dict(without_the_interpreter_on_path(tmp_path), GPU_CHECK_DIR=str(tmp_path / "out"),
+               PYTHON=sys.executable)  # an unactivated virtual environment's python, say
+    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "--smoke", "--max-steps", "8"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (tmp_path / "out" / "gpu-check.md").read_text()
     assert report.startswith("## GPU check, ") and "no NVIDIA GPU" in report
     records = read_records(tmp_path / "out" / "gpu-check.jsonl")
     assert [r["script"][:2] for r in records] == ["01", "02", "03", "04", "05", "06", "07", "09",
-                                                  "01", "04"]
+                                                  "01", "04", "10"]
     assert all(r["synthetic"] and r["test_acc"] is None for r in records)
     rows = ROW.findall(report)
     scripts = [r for r in rows if r[0] != "bare loop"]
@@ -124,3 +126,25 @@ def test_the_talks_speedups_and_memory_beside_ours():
     talk = [(line.split(" | ")[2], line.split(" | ")[4].rstrip(" |")) for line in lines]
     assert talk == [("1.00x", "3.71"), ("1.04x", "3.73"), ("1.01x", "3.71"), ("2.94x", "3.04")]
     assert lines[3].split(" | ")[1] == "3.00x" and lines[3].split(" | ")[3] == "2.90"
+
+
+def test_memory_arithmetic_per_strategy():
+    """What each strategy should hold per process, by arithmetic: DDP adds its buckets to a whole
+    copy, FSDP2 halves everything, TP halves each MLP (two thirds of a ViT-L/16) and so lies
+    between them."""
+    parameters, _ = benchmark.expected_held("ViT-L/16", "one process")
+    assert 300e6 < parameters < 310e6
+    held = {s: benchmark.expected_held("ViT-L/16", s)[1] for s in benchmark.MEMORY_STRATEGIES}
+    state = {s: benchmark.state_bytes(s, parameters, held[s]) for s in held}
+    assert state["DDP (05)"] == 20 * parameters and state["one process"] == 16 * parameters
+    assert state["FSDP2 (06)"] == 8 * parameters
+    assert state["FSDP2 (06)"] < state["TP (10)"] < state["DDP (05)"]
+    assert 0.6 < held["TP (10)"] / parameters < 0.7
+
+
+def test_tensor_parallel_script_is_known_with_its_layout():
+    args = benchmark.parse_args(["--scripts", "10"])
+    assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
+    record = {"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
+              "tensor_parallel_size": 2, "batch_size": 16}
+    assert benchmark.bare_key(record) == ("bf16-mixed", "tensor-parallel+fsdp2", 2, 2, 16)
