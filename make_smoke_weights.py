@@ -131,7 +131,7 @@ def main():
 
     model = smoke_vit()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    warmup = args.steps // 20
+    warmup = max(1, args.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) *
                                                  0.5 * (1 + math.cos(math.pi * s / args.steps)))
     generator = torch.Generator().manual_seed(args.seed)

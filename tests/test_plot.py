@@ -73,7 +73,7 @@ def test_chart_and_table_from_real_smoke_runs(smoke_records, tmp_path):
 @pytest.mark.slow
 def test_full_runs_are_preferred_and_the_latest_wins(smoke_records, tmp_path):
     path, records = smoke_records
-    full = dict(records["01_pytorch-vit.py"], smoke=False, train_time_s=1122.0)
+    full = dict(records["01_pytorch-vit.py"], kind="full", smoke=False, train_time_s=1122.0)
     newer = dict(full, train_time_s=1100.0, test_acc=0.9537)
     with open(path, "a") as f:
         f.write(json.dumps(full) + "\n" + json.dumps(newer) + "\n")

@@ -56,7 +56,7 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
     # rank 0's last line (another process sharing the terminal may print after it)
     last = [i for i, line in enumerate(lines) if line.startswith("Run record appended")]
     assert len(last) == 1 and last[0] >= len(lines) - 3, lines[-4:]
-    assert lines[last[0] - 1].startswith("SMOKE RUN on CPU") and "8x8 digits" in lines[last[0] - 1]
+    assert lines[last[0] - 1].startswith("SMOKE RUN on CPU") and "8x8 handwritten digits" in lines[last[0] - 1]
     assert record["model_file"] in lines[last[0]] and (run.dir / record["model_file"]).exists()
     assert run.wall_s <= WALL_LIMIT_S.get(script, 60), f"took {run.wall_s:.0f} s"
 
@@ -96,7 +96,7 @@ def test_only_rank_zero_prints_the_training_lines(smoke_runs, script):
     epochs = run.record["epochs"]
     for output in run.outputs:
         assert output.count("Train acc.:") == epochs
-        assert output.count("Python version") == 1  # the watermark block too
+        assert output.count("Python implementation") == 1  # the watermark block too
         assert output.count("Test accuracy") == (1 if output is run.outputs[0] else 0)
 
 
