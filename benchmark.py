@@ -283,6 +283,8 @@ def memory_run(args):
         model = fabric.setup_module(model)
         optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
         gc.collect()
+        if not cuda:  # the whole model each process built before sharding it: back to the system
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
         reset_peak_memory(cuda)
         features = torch.rand(2, 3, size, size, device=fabric.device)
         targets = torch.randint(0, 10, (2,), device=fabric.device)

@@ -98,7 +98,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     flags = ["--smoke", "--max-steps", "8", "--scripts", "01", "04", "09", "10",
              "--loader-workers", "0", "1"]
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), *flags],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (tmp_path / "out" / "gpu-check.md").read_text()
     assert report.startswith("## GPU check, ") and "no NVIDIA GPU" in report
