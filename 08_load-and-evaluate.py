@@ -67,7 +67,8 @@ if __name__ == "__main__":
     precision = args.precision or (record["precision"] if record else "32-true")
     fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=1, precision=precision)
     print(f"Loading {args.model} on {fabric.device} in {precision}"
-          + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else ""))
+          + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else "")
+          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record.get("compiled") else ""))
 
     #########################################
     ### 1 Loading the model

@@ -94,8 +94,9 @@ def test_gpu_check_at_smoke_size(tmp_path):
     not on PATH."""
     env = dict(without_the_interpreter_on_path(tmp_path), GPU_CHECK_DIR=str(tmp_path / "out"),
                PYTHON=sys.executable)  # an unactivated virtual environment's python, say
-    # at smoke size, and for the suite's time only the one precision, the fast recipe and TP
-    flags = ["--smoke", "--max-steps", "8", "--scripts", "01", "04", "09", "10",
+    # at smoke size, and for the suite's time only the baseline, the fast recipe and TP (04's
+    # bf16-mixed runs in 09 and 10 too)
+    flags = ["--smoke", "--max-steps", "8", "--scripts", "01", "09", "10",
              "--loader-workers", "0", "1"]
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), *flags],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -103,7 +104,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     report = (tmp_path / "out" / "gpu-check.md").read_text()
     assert report.startswith("## GPU check, ") and "no NVIDIA GPU" in report
     records = read_records(tmp_path / "out" / "gpu-check.jsonl")
-    assert [r["script"][:2] for r in records] == ["01", "04", "09", "10"]
+    assert [r["script"][:2] for r in records] == ["01", "09", "10"]
     assert all(r["synthetic"] and r["test_acc"] is None for r in records)
     rows = ROW.findall(report)
     scripts = [r for r in rows if r[0] != "bare loop"]
@@ -115,7 +116,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
         assert float(row[5]) == pytest.approx(record["images_per_s"], abs=0.06)
         assert row[7] != "-"  # every script has its bare loop to compare with
     base = {r["batch_size"]: r["images_per_s"] for r in records if r["script"][:2] == "01"}
-    assert scripts[3][6] == f"{records[3]['images_per_s'] / base[16]:.2f}x"
+    assert scripts[2][6] == f"{records[2]['images_per_s'] / base[16]:.2f}x"  # 10 at batch 16
     assert "workers:" in report and "fastest training rate above" in report
 
 

@@ -2,6 +2,7 @@
 and its --smoke run."""
 import argparse
 import os
+import re
 import runpy
 import types
 
@@ -106,4 +107,8 @@ def test_the_gpu_path_runs_on_a_cpu(tmp_path):
     evaluated = run_script("08_load-and-evaluate.py", "--smoke", "--model", record["model_file"],
                            cwd=whole)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    assert f"Test accuracy {record['test_acc'] * 100:.2f}%" in evaluated.stdout
+    # 08 runs the model eagerly: in bf16 the compiled kernels round differently, which may flip
+    # a few of the 360 test digits (seen: 1); it says so
+    assert "compiled then and runs eagerly now" in evaluated.stdout
+    accuracy = re.search(r"^Test accuracy (\d+\.\d\d)%$", evaluated.stdout, re.M)
+    assert accuracy and abs(float(accuracy[1]) - record["test_acc"] * 100) <= 300 / 360 + 0.01
