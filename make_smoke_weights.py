@@ -156,8 +156,10 @@ def main():
     import torchvision
     provenance = {
         "file": output.name, "sha256": hashlib.sha256(output.read_bytes()).hexdigest(),
-        "model": "torchvision VisionTransformer(image_size=32, patch_size=16, num_layers=3, "
-                 "num_heads=4, hidden_dim=128, mlp_dim=256), head Linear(128, 10)",
+        "model": f"torchvision VisionTransformer(image_size={model.image_size}, patch_size="
+                 f"{model.patch_size}, num_layers={len(model.encoder.layers)}, num_heads="
+                 f"{model.encoder.layers[0].num_heads}, hidden_dim={model.hidden_dim}, mlp_dim="
+                 f"{model.mlp_dim}), head Linear({model.hidden_dim}, {model.num_classes})",
         "data": f"{args.images} printed digits rendered by make_smoke_weights.render_digits "
                 f"(seed {args.seed}; elastic alpha {ELASTIC_ALPHA}, sigma {ELASTIC_SIGMA}) from "
                 f"{len(fonts)} matplotlib fonts: "

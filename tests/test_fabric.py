@@ -121,6 +121,7 @@ for m in model.modules():
 model(torch.rand(2, 3, 32, 32)).sum().backward()
 local = [p.to_local().shape[0] for n, p in model.named_parameters() if n.endswith("layer_0.mlp.0.weight")]
 print("RESULT", rank, seen, local, flush=True)
+dist.barrier()  # both done before either leaves: a peer gone mid-teardown made gloo abort (seen once)
 dist.destroy_process_group()
 """
 

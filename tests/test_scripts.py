@@ -32,7 +32,7 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
     assert RECORD_KEYS <= record.keys()
     assert record["script"] == script and record["smoke"] is True and record["synthetic"] is False
     assert record["accelerator"] == "cpu" and record["device_name"].startswith("CPU")
-    assert record["test_acc"] >= 0.85
+    assert record["test_acc"] >= (0.75 if script.startswith("00") else 0.85)  # random init: lower
     assert len(record["train_loss"]) == len(record["val_acc"]) == len(record["lr"]) == record["epochs"]
     assert record["train_loss"][-1] < record["train_loss"][0]
     assert record["peak_memory_gb"] > 0 and record["images_per_s"] > 0
@@ -236,11 +236,11 @@ def test_a_smoke_run_leaves_git_status_clean(smoke_runs):
 
 @pytest.mark.slow
 def test_pretraining_beats_random_init_with_half_the_epochs(smoke_runs):
-    """The talk's first lesson on a CPU: 01 (pretrained on printed digits) above 00 (random init)
-    with at most half its epochs, already after its first epoch. (Not by the 3 points hoped for:
-    see the README's smoke chart.)"""
+    """The talk's first lesson on a CPU: 01 (pretrained on printed digits) at least 3 points
+    above 00 (random init) in test accuracy with at most half its epochs, and already ahead
+    after its first epoch."""
     scratch = smoke_runs("00_pytorch-vit-random-init.py").record
     finetuned = smoke_runs("01_pytorch-vit.py").record
     assert 2 * finetuned["epochs"] <= scratch["epochs"]
-    assert finetuned["test_acc"] > scratch["test_acc"]
+    assert finetuned["test_acc"] >= scratch["test_acc"] + 0.03
     assert finetuned["val_acc"][0] > scratch["val_acc"][0] + 0.03
