@@ -233,10 +233,9 @@ SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-d
 
 
 def smoke_vit():
-    """The --smoke model: a small ViT for 32x32 images (3 layers, width 128; a head for the 10
-    printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are).
-    Patches of 8 pixels, 16 per image (ViT-B/16 sees 196): with 16-pixel patches (4 per image) a
-    random-init ViT read the digits nearly as well as a pretrained one, so 00 and 01 tied."""
+    """The --smoke model: a small ViT for 32x32 images in 16 patches of 8 pixels (with 4 of 16, random
+    init read the digits as well as pretrained: README), 3 layers, width 128; a head for the 10
+    printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
     return VisionTransformer(image_size=SMOKE_IMAGE_SIZE, patch_size=8, num_layers=3,
                              num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)

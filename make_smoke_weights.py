@@ -9,7 +9,7 @@ the 8x8 grid of 17 grey levels in which scikit-learn's *handwritten* digits come
 never sees. It writes smoke_weights/smoke-vit-printed-digits.pt (a state dict, about 2 MB) and its
 provenance beside it (.json: data, steps, seed, versions, pretext accuracy, sha256).
 
-    python make_smoke_weights.py            # about 3 minutes on 2 CPU cores
+    python make_smoke_weights.py            # about 2 minutes on 2 CPU cores
 """
 import argparse
 import hashlib
