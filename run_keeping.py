@@ -577,7 +577,7 @@ def write_atomically(path, data, replace=True):
     tmp = path.with_name(path.name + ".tmp") if replace else path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
         try:
             view = memoryview(data)
             while view:
@@ -598,7 +598,7 @@ def append_record(path, record):
     line = (json.dumps(record) + "\n").encode()
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     except OSError as err:
         fail(f"cannot write the run record to {path}: {write_error(err, path)}.", code=1)
     size = os.fstat(fd).st_size

@@ -189,12 +189,19 @@ def test_the_default_chart_goes_to_a_path_git_ignores(tmp_path):
     records = tmp_path / "results" / "runs.jsonl"
     records.parent.mkdir()
     records.write_text("".join(json.dumps(r) + "\n" for r in fake_records().values()))
-    proc = plot(cwd=tmp_path)
+    import run_keeping as rk
+    umask = os.umask(0o002)  # a umask other than the usual 022: a fixed 0o644 would differ
+    try:
+        proc = plot(cwd=tmp_path)
+        rk.append_record(tmp_path / "record.jsonl", {"script": "01_pytorch-vit.py"})
+        rk.write_atomically(tmp_path / "model.pt", b"a model")
+    finally:
+        os.umask(umask)
     assert proc.returncode == 0, proc.stderr
     chart = tmp_path / "results" / "charts.png"
-    umask = os.umask(0)
-    os.umask(umask)
-    assert stat.S_IMODE(chart.stat().st_mode) == 0o666 & ~umask  # as the records and models
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in
+             (chart, tmp_path / "record.jsonl", tmp_path / "model.pt")}
+    assert modes == dict.fromkeys(modes, 0o664), modes  # as any file the user writes
     ignored = subprocess.run(["git", "check-ignore", "-q", "results/charts.png"], cwd=ROOT)
     assert ignored.returncode == 0
     tracked = subprocess.run(["git", "ls-files", "--error-unmatch", "results/charts.png"],
