@@ -101,6 +101,32 @@ def test_fsdp2_makes_every_encoder_block_a_unit_and_gathers_bf16(one_process_gro
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())  # reduced in float32
 
 
+
+class GpuMesh:
+    """The CPU mesh, saying it is a CUDA one (no GPU here): what fsdp_each_encoder_block asks."""
+    device_type = "cuda"
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __getitem__(self, name):
+        return self.mesh[name]
+
+
+@pytest.mark.parametrize("native_bf16, gathered", [(False, torch.float32), (True, torch.bfloat16)])
+def test_fsdp2_on_a_gpu_gathers_bf16_only_where_the_gpu_has_it(one_process_group, monkeypatch,
+                                                                native_bf16, gathered):
+    """A GPU before Ampere (no native bfloat16) runs 06-07 in 32-true (run_keeping's fallback):
+    the FSDP2 policy then gathers float32 parameters; on an Ampere or later GPU, bfloat16."""
+    from torchvision.models.vision_transformer import EncoderBlock
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native_bf16)
+    model = lu.fsdp_each_encoder_block(smoke_model(), GpuMesh(one_process_group))
+    seen = []
+    for block in (m for m in model.modules() if isinstance(m, EncoderBlock)):
+        block.mlp.register_forward_hook(lambda m, i, o: seen.append(m[0].weight.dtype))
+    model(torch.rand(2, 3, 32, 32))
+    assert seen == [gathered] * 3
+
 TWO_PROCESS_CHECK = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh

@@ -1,6 +1,5 @@
 """10, tensor parallelism: each MLP split across processes, the same maths as one process, each
-training image counted once, the model file whole. (TP 2 x DP 2, `--smoke --devices 4`, takes 4
-processes on this 2-core machine: run by hand, not in the suite.)"""
+training image counted once, the model file whole; TP 2 x DP 2 on 4 processes."""
 import argparse
 
 import pytest
@@ -74,3 +73,24 @@ def test_the_model_file_is_whole_and_plain(smoke_runs):
     model.load_state_dict(state)
     assert state["encoder.layers.encoder_layer_0.mlp.0.weight"].shape == (256, 128)
     assert not any(type(v) is not torch.Tensor for v in state.values())
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_pairs_split_the_batch_between_them(tmp_path):
+    """--devices 4: TP 2 x DP 2. The batch of 16 is split over the 2 data-parallel replicas only
+    (8 each; both processes of a pair see the same 8), so each replica takes --max-steps steps
+    of 8 (split over all 4 processes it would take half as many); each image is counted once;
+    each pair holds one FSDP2 shard of the model, whose MLPs are halved again by the split."""
+    proc = run_script(TP, "--smoke", "--devices", "4", "--max-steps", "8", "--epochs", "1",
+                      cwd=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert (record["tensor_parallel_size"], record["data_parallel_size"], record["world_size"],
+            record["batch_size"]) == (2, 2, 4, 8)
+    assert record["steps"] == 8
+    assert record["timed_images"] == (8 - 3) * 16  # after the 3 untimed steps, 16 images a step
+    held = record["parameters_per_process"]
+    total, held_tp2 = smoke_parameters()
+    split = 2 * (total - held_tp2)  # the MLP parameters that tensor parallelism splits
+    assert held[0] == held[1] and held[2] == held[3] and max(held) < held_tp2
+    assert sum(held) == 2 * (total - split) + split  # the rest held twice (once per pair)
