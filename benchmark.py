@@ -207,7 +207,7 @@ def bare_loop(args):
     held on the device; timed after 3 steps, with one synchronisation at each end."""
     import lightning as L
     import torch.nn.functional as F
-    from run_keeping import peak_memory_gb
+    from run_keeping import leave, peak_memory_gb
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
     precision, strategy, devices, tensor_parallel, batch, steps = args.bare_loop
     devices, tensor_parallel, batch, steps = int(devices), int(tensor_parallel), int(batch), int(steps)
@@ -241,20 +241,8 @@ def bare_loop(args):
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
     fabric.print("BARE " + json.dumps({"images_per_s": images / float(seconds),
                                         "peak_memory_gb": float(memory)}))
-    end_process(fabric)
-
-
-def end_process(fabric):
-    """The end of a measuring process (a bare loop, a memory run): its output flushed, then out
-    without the interpreter's shutdown. After an all_reduce or all_gather, gloo's worker thread
-    releases the collective's tensors a moment after the caller goes on; if the interpreter is
-    shutting down by then, the release aborts the process ("terminate called without an active
-    exception", exit -6: 3 of 24 bare loops under TP here, and 1 of 36 with a barrier before the
-    end; pytorch/pytorch#190489). Nothing is left to do here after the output."""
     fabric.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # run_keeping.leave: why a multi-process run ends so
 
 
 def process_memory(cuda):
@@ -280,7 +268,7 @@ def memory_run(args):
     import lightning as L
     import torch.nn.functional as F
     import torchvision.models
-    from run_keeping import count_local_parameters
+    from run_keeping import count_local_parameters, leave
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
     accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
@@ -321,7 +309,8 @@ def memory_run(args):
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-    end_process(fabric)
+    fabric.barrier()
+    leave(0)  # run_keeping.leave: why a multi-process run ends so
 
 
 def state_bytes(strategy, parameters, held):

@@ -70,6 +70,23 @@ def fail(message, code=2):
     """One line on stderr and exit `code` (2: bad input or machine), never a traceback."""
     message = " ".join(str(message).split())
     print(f"{Path(sys.argv[0]).name}: error: {message[:800]}", file=sys.stderr, flush=True)
+    leave(code)
+
+
+def leave(code):
+    """Exit with `code`. A process of a multi-process run on gloo (CPUs) leaves at once, without
+    the interpreter's shutdown: after an all_reduce or all_gather, gloo's worker thread releases
+    the collective's tensors a moment after the caller goes on, and if the interpreter is
+    shutting down by then, that release aborts the process ("terminate called without an active
+    exception", exit -6; pytorch/pytorch#190489). Seen here in 06's two torchrun nodes, where the
+    surviving node's agent then waited out torchrun's exit barrier, and in 3 of 24 bare loops.
+    Lightning tears NCCL groups down itself at exit; anywhere else: SystemExit, as usual."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
+            and dist.get_backend() != "nccl":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     raise SystemExit(code)
 
 
@@ -153,7 +170,7 @@ class RunKeeper:
                      "no checkpoint yet (one is written at the end of each epoch)")
             print(f"\n{self.args.script}: interrupted ({signal.Signals(signum).name}); {where}",
                   file=sys.stderr, flush=True)
-        raise SystemExit(code)
+        leave(code)
 
     def _on_uncaught(self, kind, err, traceback):
         """Errors a user can act on, in one line instead of a traceback: torch.compile without a
@@ -374,7 +391,7 @@ class RunKeeper:
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the finetuned model file, the run record; then the
-        checkpoints are removed (nothing left to resume)."""
+        checkpoints are removed (nothing left to resume), and a multi-process run ends (leave)."""
         args = self.args
         totals = self._totals(train_time_s)
         images_per_s = (totals["timed_images"] / totals["timed_seconds"]
@@ -437,6 +454,8 @@ class RunKeeper:
             self.print(f"Run record appended to {args.results}; finetuned model saved to "
                        f"{args.save_model}")
         self._barrier()
+        if self.world_size > 1:
+            leave(0)  # the run is done: the last line of every script
 
     def _barrier(self):
         if self.fabric and self.world_size > 1:

@@ -127,6 +127,40 @@ def test_fsdp2_on_a_gpu_gathers_bf16_only_where_the_gpu_has_it(one_process_group
     model(torch.rand(2, 3, 32, 32))
     assert seen == [gathered] * 3
 
+
+LEAVE = """
+import atexit, sys, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+import run_keeping
+rank, world = int(sys.argv[3]), int(sys.argv[4])
+if world > 1:
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=world)
+    dist.all_reduce(__import__("torch").ones(1))  # a collective whose tensors gloo's thread holds
+atexit.register(lambda: print("the interpreter's shutdown ran", flush=True))
+print("leaving", flush=True)
+run_keeping.leave(5)
+"""
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_multi_process_gloo_run_leaves_without_the_interpreters_shutdown(tmp_path, world):
+    """run_keeping.leave: in a gloo group of 2, out at once with the code (gloo's thread may
+    still be releasing the last collective's tensors, which aborts a shutting-down interpreter);
+    without a group, SystemExit as usual."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", LEAVE, str(ROOT), port, str(rank), str(world)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world)]
+    try:
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [5] * world, outputs
+    for output in outputs:
+        assert "leaving" in output
+        assert ("the interpreter's shutdown ran" in output) == (world == 1), output
+
 TWO_PROCESS_CHECK = """
 import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
