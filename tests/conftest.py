@@ -72,9 +72,15 @@ def start(script, *flags, cwd):
 
 
 def finish(procs, timeout=240):
-    """Wait for every process; on time-out or error kill them all. The outputs, in order."""
+    """Wait for every process; on time-out or error kill them all. The outputs, in order; a
+    time-out fails with the end of each process's output."""
     try:
         return [p.communicate(timeout=timeout)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        outputs = [kill_group(p) if p.poll() is None else p.communicate()[0] for p in procs]
+        tails = "\n".join(f"--- process {i}:\n" + "\n".join((o or "").splitlines()[-25:])
+                          for i, o in enumerate(outputs))
+        pytest.fail(f"timed out after {timeout} s\n{tails}", pytrace=False)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -219,17 +225,16 @@ def smoke_runs(tmp_path_factory):
             cwd = tmp_path_factory.mktemp(Path(script).stem)
             began = time.monotonic()
             procs = start(script, "--smoke", cwd=cwd)
-            outputs = finish(procs)
             result = Result()
-            result.wall_s, result.outputs, result.dir = time.monotonic() - began, outputs, cwd
-            result.out = outputs[0]
-            result.failure = None
+            result.dir, result.failure, result.outputs = cwd, None, [""]
             records = cwd / "results" / "runs.jsonl"
-            try:
+            try:  # a run that failed or hung fails every later test that asks for it, at once
+                result.outputs = outputs = finish(procs)
                 check_ok(procs, outputs, f"{script} --smoke")
                 assert records.exists(), f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
             except BaseException as err:  # every later test of this run fails with the output
                 result.failure = err
+            result.wall_s, result.out = time.monotonic() - began, result.outputs[0]
             result.record = read_records(records)[-1] if records.exists() else None
             runs[script] = result
         if runs[script].failure:

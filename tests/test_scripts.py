@@ -244,3 +244,16 @@ def test_pretraining_beats_random_init_with_half_the_epochs(smoke_runs):
     assert 2 * finetuned["epochs"] <= scratch["epochs"]
     assert finetuned["test_acc"] >= scratch["test_acc"] + 0.03
     assert finetuned["val_acc"][0] > scratch["val_acc"][0] + 0.03
+
+
+def test_the_shared_fixture_fails_on_a_hang_with_the_output():
+    """A run that hangs is killed at the time-out and fails with what it printed (06's two
+    torchrun nodes once hung this way), instead of an exception without its output."""
+    from conftest import finish
+    hung = subprocess.Popen([sys.executable, "-c", "print('started', flush=True); import time; "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    with pytest.raises(pytest.fail.Exception) as failure:
+        finish([hung], timeout=3)
+    assert "timed out after 3 s" in str(failure.value) and "started" in str(failure.value)
+    assert hung.poll() is not None  # killed, not left running
