@@ -228,11 +228,11 @@ def smoke_runs(tmp_path_factory):
             result = Result()
             result.dir, result.failure, result.outputs = cwd, None, [""]
             records = cwd / "results" / "runs.jsonl"
-            try:  # a run that failed or hung fails every later test that asks for it, at once
+            try:
                 result.outputs = outputs = finish(procs)
                 check_ok(procs, outputs, f"{script} --smoke")
                 assert records.exists(), f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
-            except BaseException as err:  # every later test of this run fails with the output
+            except BaseException as err:  # failed or hung: every later test of it fails at once
                 result.failure = err
             result.wall_s, result.out = time.monotonic() - began, result.outputs[0]
             result.record = read_records(records)[-1] if records.exists() else None
