@@ -6,8 +6,8 @@ script's change are in talk_reference.csv.
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
 
-Flags, data, model and evaluation are in local_utilities.py; records, checkpoints, --resume and
-Ctrl-C in run_keeping.py, out of the lesson's way.
+Data, model and evaluation are in local_utilities.py; the flags, records, checkpoints, --resume
+and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
@@ -28,7 +28,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         model.train()
         for batch_idx, (features, targets) in enumerate(train_loader):
-            model.train()  # the talk's: undoes model.eval() below (used for the train accuracy); torchvision's ViT has no dropout or batch norm, so the switch changes nothing here and costs a walk over the modules each step
+            model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
 
             ### FORWARD AND BACK PROP
             logits = model(features)

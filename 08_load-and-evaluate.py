@@ -1,5 +1,5 @@
-"""08, saving and loading: a finished run of any of 00-07 saved its finetuned model as one file, a
-plain state dict of torchvision's VisionTransformer. This loads it into a fresh ViT-B/16 with
+"""08, saving and loading: every finished training run (00-07, 09, 10) saves its finetuned model as
+one file, a plain state dict of torchvision's VisionTransformer. This loads it into a fresh ViT-B/16 with
 Fabric on one device, evaluates it on the CIFAR-10 test set (the training run's "Test accuracy"
 line, again), and with --predict names the class of your own images.
 
@@ -19,10 +19,11 @@ import os
 import lightning as L
 import torch
 from PIL import Image, UnidentifiedImageError
-from torchvision import transforms
 
-from local_utilities import SMOKE_IMAGE_SIZE, build_vit, evaluate, get_dataloaders, talk_transforms
-from run_keeping import fail, load_model_file, record_of
+from local_utilities import as_smoke_digit, build_vit, evaluate, get_dataloaders, talk_transforms
+from run_keeping.errors import fail
+from run_keeping.files import record_of
+from run_keeping.model_file import load_model_file
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
@@ -30,7 +31,9 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", metavar="PATH", help="a model file (default: the newest in models/)")
-    parser.add_argument("--predict", nargs="+", metavar="IMAGE", help="PNG or JPEG files, any size")
+    parser.add_argument("--predict", nargs="+", metavar="IMAGE", help="PNG or JPEG files, any "
+                        "size; with --smoke, one digit each, read as scikit-learn's digits look "
+                        "(light on dark, centred, filling the frame; a light background is inverted)")
     parser.add_argument("--smoke", action="store_true", help="a --smoke run's model, on the digits")
     parser.add_argument("--data-dir", default="data", metavar="DIR", help="where CIFAR-10 is, or goes")
     parser.add_argument("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
@@ -82,18 +85,21 @@ if __name__ == "__main__":
         #########################################
         ### 2 Predicting your own images
         #########################################
-        size = SMOKE_IMAGE_SIZE if args.smoke else 224
-        transform = talk_transforms() if not args.smoke else transforms.Compose([transforms.Resize((size, size)), transforms.ToTensor()])
         classes = [str(digit) for digit in range(10)] if args.smoke else CIFAR10_CLASSES
+        if args.smoke:
+            print("Each image is read as the smoke digits look: light on dark (a light background is "
+                  "inverted); a digit that does not fill its frame is cropped to its ink, padded to "
+                  "a square and reduced to 8x8 grey levels")
         model.eval()
         for path in args.predict:
             try:
-                image = transform(Image.open(path).convert("RGB"))
+                with Image.open(path) as picture:
+                    image, inverted = as_smoke_digit(picture) if args.smoke else (talk_transforms()(picture.convert("RGB")), False)
             except (OSError, UnidentifiedImageError) as err:
                 fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
             with torch.no_grad():
                 label = torch.argmax(model(image.unsqueeze(0).to(fabric.device)), 1).item()
-            print(f"{path}: {classes[label]}")
+            print(f"{path}: {classes[label]}" + (" (light background, inverted)" if inverted else ""))
     else:
         #########################################
         ### 2 Evaluation on the test set

@@ -3,12 +3,12 @@
 batch, and prints images/s, the speedup over 01, the ratio to the bare loop, peak memory and
 model FLOP utilisation (MFU), then the rate of the talk's CIFAR-10 input pipeline.
 
-    python benchmark.py --smoke                              # small ViT, CPU, about 2 minutes
+    python benchmark.py --smoke                              # small ViT, CPU
     python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
     python benchmark.py --smoke --scripts 01 03 --repeat 5   # median of alternating runs
     python benchmark.py --peaks                              # the peak FLOP/s table used for MFU
     python benchmark.py --memory     # memory per process as the model grows: 1 process, DDP,
-                                     # FSDP2, TP; ViT-B/16 and ViT-L/16 (under 5 min on 2 cores)
+                                     # FSDP2, TP; ViT-B/16 and ViT-L/16 (docs/benchmarks.md)
 
 Speedup, here and in plot_results.py, is training throughput over 01's: images/s divided by 01's
 images/s at the same batch. "vs bare" is the script's images/s divided by the bare loop's, which
@@ -29,10 +29,12 @@ from pathlib import Path
 import torch
 import torch.utils.data as torch_data
 
+from run_keeping.errors import fail, leave
+from run_keeping.files import remove_empty_folders
+from run_keeping.timing import WARMUP_STEPS
+
 ROOT = Path(__file__).resolve().parent
 SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
-PROG = "benchmark.py"
-WARMUP_STEPS = 3
 # Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets: A100 (2020; SXM and PCIe alike),
 # H100 SXM and PCIe (H100 data sheet, 2023), H100 NVL and H200 SXM / NVL (H200 data sheet, 2024),
 # whose tensor-core figures are printed "with sparsity" and are halved here. Lightning's table
@@ -63,11 +65,6 @@ DDP_BUCKET_BYTES = 4  # DDP's gradient buckets: a float32 copy of every gradient
 # process's resident memory follows what it holds. A GPU's caching allocator keeps freed blocks
 # too, and max_memory_reserved (the talk's figure) counts them.
 EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
-def fail(message):
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def parse_args(argv=None):
@@ -102,8 +99,8 @@ def parse_args(argv=None):
                         "and strategy (synthetic steps), beside the arithmetic; a chart too")
     parser.add_argument("--memory-models", nargs="+", default=["ViT-B/16", "ViT-L/16"],
                         choices=list(MEMORY_MODELS), metavar="MODEL",
-                        help="for --memory (default: ViT-B/16 ViT-L/16, within 5 minutes on 2 "
-                             "CPU cores; ViT-H/14 adds about 4)")
+                        help="for --memory (default: ViT-B/16 ViT-L/16, 1 min 52 s on a 2-core "
+                             "AMD EPYC, 2026-12-01; ViT-H/14 took 2 min 3 s more)")
     parser.add_argument("--bare-loop", nargs=6, help=argparse.SUPPRESS)  # internal: one bare run
     parser.add_argument("--memory-run", nargs="+", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
@@ -207,7 +204,8 @@ def bare_loop(args):
     held on the device; timed after 3 steps, with one synchronisation at each end."""
     import lightning as L
     import torch.nn.functional as F
-    from run_keeping import leave, peak_memory_gb
+    from run_keeping.devices import share_cpu_threads
+    from run_keeping.record import peak_memory_gb
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
     precision, strategy, devices, tensor_parallel, batch, steps = args.bare_loop
     devices, tensor_parallel, batch, steps = int(devices), int(tensor_parallel), int(batch), int(steps)
@@ -215,6 +213,8 @@ def bare_loop(args):
     accelerator = "cpu" if args.smoke else args.accelerator
     fabric = L.Fabric(accelerator=accelerator, devices=devices, precision=precision, strategy=strategy)
     fabric.launch()
+    if fabric.device.type == "cpu":
+        share_cpu_threads(devices)  # as the scripts' processes do (run_keeping/devices.py)
     torch.manual_seed(123)
     model = build_vit(None, argparse.Namespace(smoke=args.smoke, synthetic=True))
     model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
@@ -242,7 +242,7 @@ def bare_loop(args):
     fabric.print("BARE " + json.dumps({"images_per_s": images / float(seconds),
                                         "peak_memory_gb": float(memory)}))
     fabric.barrier()
-    leave(0)  # run_keeping.leave: why a multi-process run ends so
+    leave(0)  # run_keeping/errors.py: why a multi-process run ends so
 
 
 def process_memory(cuda):
@@ -268,7 +268,7 @@ def memory_run(args):
     import lightning as L
     import torch.nn.functional as F
     import torchvision.models
-    from run_keeping import count_local_parameters, leave
+    from run_keeping.model_file import count_local_parameters
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
     accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
@@ -310,7 +310,7 @@ def memory_run(args):
         if cuda:
             torch.cuda.empty_cache()
     fabric.barrier()
-    leave(0)  # run_keeping.leave: why a multi-process run ends so
+    leave(0)  # run_keeping/errors.py: why a multi-process run ends so
 
 
 def state_bytes(strategy, parameters, held):
@@ -591,6 +591,8 @@ def main(argv=None):
         record["images_per_s"] = statistics.median(r["images_per_s"] for r in group)
         record["peak_memory_gb"] = max(r["peak_memory_gb"] for r in group)
         records.append(record)
+    # each run removed its own checkpoint folder when it finished; their parent goes too
+    remove_empty_folders(Path(args.results).parent / "benchmark-checkpoints", up_to=Path(args.results).parent)
     bares = {}
     if not args.no_bare:
         for record in records:
@@ -644,8 +646,9 @@ def main(argv=None):
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
         Path(args.report).write_text(text + "\n")
         print(f"\nReport written to {args.report}")
-    print(f"Records appended to {args.results} (plot with: python plot_results.py --synthetic "
-          f"--results {args.results})")
+    from plot_results import chart_command
+    print(f"Records appended to {args.results} (chart them with: "
+          f"{chart_command('smoke-synthetic' if args.smoke else 'synthetic', args.results)})")
 
 
 if __name__ == "__main__":

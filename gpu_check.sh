@@ -4,8 +4,8 @@
 # synthetic data: every training script at batch 16 (05-07 with --devices 1, which still runs
 # DDP, FSDP2 and NCCL), 01 and 04 also at batch 128, 09's recipe, a bare loop per configuration,
 # MFU, the talk's speedups and memory beside ours, and the input pipeline's rate. Writes the
-# report to results/gpu-check.md (GPU, driver, versions, date), ready for the README.
-# About 5 minutes on one H200; no network.
+# report to results/gpu-check.md under the current folder (GPU, driver, versions, date).
+# Not yet run on a GPU (expected: minutes on one H200); no network.
 #   bash gpu_check.sh            # on a GPU machine
 #   bash gpu_check.sh --smoke    # the same at smoke size on a CPU (the tests run this)
 # 10 (tensor parallelism) needs 2 GPUs: on one it is skipped, with a line saying so.
@@ -13,7 +13,7 @@
 # interpreter (default: python).
 # Exit codes: 0 done, 2 no GPU without --smoke; otherwise benchmark.py's.
 set -euo pipefail
-cd "$(dirname "$0")"
+here=$(cd "$(dirname "$0")" && pwd)  # outputs go under the current folder, as the scripts' do
 PYTHON=${PYTHON:-python}
 out=${GPU_CHECK_DIR:-results}
 smoke=no
@@ -36,7 +36,7 @@ fi
 gpu=$(printf '%s\n' "$gpus" | head -n 1)
 gpu=${gpu:-"no NVIDIA GPU (nvidia-smi found none): a CPU run"}
 # shellcheck disable=SC2086
-"$PYTHON" benchmark.py --scripts $scripts --max-steps 40 \
+"$PYTHON" "$here/benchmark.py" --scripts $scripts --max-steps 40 \
   --loader-images "$images" --loader-workers 0 1 2 4 8 --results "$out/gpu-check.jsonl" \
   --report "$out/gpu-check-body.md" "$@"
 {

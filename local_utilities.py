@@ -1,10 +1,8 @@
-"""What the numbered scripts share, as in the talk's helper module: the flags, the data (CIFAR-10
-as in the talk, and the offline --smoke and --synthetic stand-ins), the model and evaluation.
-Run records, timing, checkpoints, --resume and signals live in run_keeping.py."""
-import argparse
+"""What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the
+talk, and the offline --smoke and --synthetic stand-ins), the model, the parallelize functions
+and evaluation. The command line, records, checkpoints and --resume are in run_keeping/."""
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,132 +10,23 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from run_keeping import WARMUP_STEPS, fail, unwritable
+from run_keeping import flags as command_line
+from run_keeping.errors import fail
 
 NUM_CLASSES = 10
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 TALK_IMAGE_SIZE = 224
 NUM_VALIDATION = 5000        # the last 5,000 of CIFAR-10's 50,000 training images
-# The talk trains 10 epochs from random init (00) and 3 finetuning (01-07); --smoke keeps that
-# shape: 4 from random init, 2 finetuning the pretrained smoke ViT.
-SMOKE_EPOCHS = {10: 4, 3: 2}
-SMOKE_GLOBAL_BATCH = 16      # --smoke splits the talk's batch of 16 across data-parallel replicas
 SMOKE_IMAGE_SIZE = 32
-SMOKE_SPLIT = (240, 360)     # digits held out for validation and test (1,197 left to train)
-SYNTHETIC_STEPS = 20         # --synthetic trains this many steps (one epoch) unless --max-steps
+SMOKE_SPLIT = (240, 360)     # of scikit-learn's 1,797 digits, held out for validation and test
+SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
 # -- Flags ----------------------------------------------------------------------------------------
-def _at_least(minimum):
-    def check(text):
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
-        return value
-    return check
-
-
-def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None):
-    """The flags, checked before any work starts; `auto` becomes `cuda` or `cpu`. `devices`
-    given: the Fabric scripts' --devices and --num-nodes with that default."""
-    script = Path(sys.argv[0]).name
-    smoke_epochs = smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
-    parser = argparse.ArgumentParser(description=describe(script))
-    add = parser.add_argument
-    add("--smoke", action="store_true", help="offline demo: a small ViT (pretrained on printed "
-        "digits where the full run loads ImageNet weights) on scikit-learn's 8x8 handwritten "
-        "digits (32x32), on the CPU; under a minute on 2 cores (02 spends about 40 s compiling)")
-    add("--synthetic", action="store_true", help="random images and labels of the run's shape, "
-        "random init, nothing downloaded: for throughput and memory (no accuracy)")
-    add("--max-steps", type=_at_least(1), metavar="N",
-        help=f"train N batches per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch; more than "
-             f"{WARMUP_STEPS}, the untimed warm-up steps)")
-    add("--epochs", type=_at_least(1), metavar="N", help=f"default {epochs} (--synthetic: 1, "
-        f"--smoke: {smoke_epochs})")
-    add("--batch-size", type=_at_least(1), metavar="N", help=f"per process (default {batch_size}"
-        f"{', the talk' + chr(39) + 's' if batch_size == 16 else ''}; --smoke: 16 divided among "
-        "the data-parallel processes)")
-    add("--num-workers", type=_at_least(0), default=4, metavar="N",
-        help="data loader processes (default 4)")
-    add("--data-dir", default="data", metavar="DIR", help="where CIFAR-10 is, or goes")
-    add("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
-    add("--results", default="results/runs.jsonl", metavar="FILE",
-        help="run records, one JSON line per run, appended (default results/runs.jsonl)")
-    add("--save-model", metavar="PATH", help="where the finetuned model goes (default "
-        "models/<script>.pt, -smoke/-synthetic before .pt)")
-    add("--seed", type=int, default=123, help="default 123, the talk's")
-    add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"],
-        help="auto: the GPU if there is one, else the CPU with --smoke")
-    if devices is not None:
-        add("--devices", type=_at_least(1), metavar="N",
-            help=f"processes (GPUs) per machine (default {devices}; --smoke on a CPU: 2)")
-        add("--num-nodes", type=_at_least(1), default=1, metavar="N", help="machines")
-    if script.startswith("10_"):  # the one flag only one script has: its technique's size
-        add("--tensor-parallel", type=_at_least(1), default=2, metavar="N", help="processes that "
-            "split each MLP between them (default 2); the rest of --devices x --num-nodes is "
-            "data parallel")
-    if script.startswith("09_"):
-        add("--compile-on-cpu", action="store_true", help="on a CPU too, take the path a GPU "
-            "takes: torch.compile and the fused AdamW (compiling costs about 40 s)")
-    add("--checkpoint-dir", metavar="DIR", help="per-epoch checkpoints (default "
-        "checkpoints/<script>/, -smoke/-synthetic suffix); every machine must see it")
-    add("--resume", action="store_true", help="continue the run in --checkpoint-dir")
-    args = parser.parse_args()
-
-    # each kind of run has its own checkpoint folder, model file and recorded kind
-    args.script, args.kind = script, "-".join(k for k in ("smoke", "synthetic") if getattr(args, k))
-    suffix = f"-{args.kind}" if args.kind else ""
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if args.accelerator == "auto":
-        if cuda_count == 0 and not args.smoke:
-            hint = " --smoke --resume to continue a smoke run" if args.resume else " --smoke"
-            parser.exit(2, f"{parser.prog}: error: no CUDA GPU found. A full run on a CPU takes "
-                           f"about a day: try python {script}{hint}, or add --accelerator cpu "
-                           "to insist.\n")
-        args.accelerator = "cuda" if cuda_count else "cpu"
-    if devices is None:
-        args.devices, args.num_nodes = 1, 1
-    elif args.devices is None:
-        args.devices = devices
-        if args.smoke and args.accelerator == "cpu":
-            args.devices = min(devices, 2)  # 2 CPU processes show the technique on a laptop
-    if args.accelerator == "cuda" and args.devices > cuda_count:
-        asked = f"--devices {args.devices}" if devices else "--accelerator cuda"
-        parser.exit(2, f"{parser.prog}: error: asked for {args.devices} GPU(s) per machine "
-                       f"({asked}) but this machine has {cuda_count}.\n")
-    args.world_size = args.devices * args.num_nodes
-    args.tensor_parallel = getattr(args, "tensor_parallel", 1)
-    if args.world_size % args.tensor_parallel:
-        parser.error(f"--tensor-parallel {args.tensor_parallel} does not divide the "
-                     f"{args.world_size} processes (--devices x --num-nodes)")
-    args.data_parallel = args.world_size // args.tensor_parallel  # replicas that split the batch
-    if args.epochs is None:
-        args.epochs = 1 if args.synthetic else smoke_epochs if args.smoke else epochs
-    if args.synthetic and args.max_steps is None:
-        args.max_steps = SYNTHETIC_STEPS
-    if args.synthetic and args.max_steps <= WARMUP_STEPS and args.epochs == 1:
-        parser.error(f"--synthetic measures throughput after {WARMUP_STEPS} untimed warm-up "
-                     f"steps: give --max-steps {WARMUP_STEPS + 1} or more")
-    if args.batch_size is None:
-        args.batch_size = max(1, SMOKE_GLOBAL_BATCH // args.data_parallel) if args.smoke else batch_size
-    args.checkpoint_dir = args.checkpoint_dir or os.path.join("checkpoints", Path(script).stem + suffix)
-    args.save_model = args.save_model or os.path.join("models", Path(script).stem + suffix + ".pt")
-    for flag, path in (("--results", args.results), ("--save-model", args.save_model)):
-        problem = unwritable(path)
-        if problem:
-            parser.error(f"{flag} {path} cannot be written: {problem}")
-    return args
-
-
-def describe(script):
-    """--help's opening: the script's technique and change (talk_reference.csv), else the first
-    paragraph of its docstring."""
-    import csv
-    with open(Path(__file__).with_name("talk_reference.csv")) as f:
-        for row in csv.DictReader(line for line in f if not line.startswith("#")):
-            if row["script"] == script:
-                return f"{script}: {row['technique']}. Changes {row['change']}."
-    return " ".join((sys.modules["__main__"].__doc__ or "").strip().split("\n\n")[0].split())
+def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True):
+    """The shared command line (run_keeping/flags.py), checked against these data's sizes."""
+    return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader,
+                                   train_images={"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN})
 
 
 # -- Data -----------------------------------------------------------------------------------------
@@ -218,6 +107,37 @@ def digits_datasets():
     return tuple(TensorDataset(images[s], labels[s]) for s in parts)
 
 
+def as_smoke_digit(image):
+    """A picture of one digit (a PIL image) as the smoke data look, for 08 --predict: grey, light
+    ink on a dark ground (a light ground is inverted). A digit that already fills its frame from
+    edge to edge, as the handwritten set's do, is only resized to 32x32; any other is cropped to
+    its ink, padded to a square and reduced to scikit-learn's 8x8 grid of 17 levels first.
+    Returns (3 x 32 x 32 tensor, whether it was inverted)."""
+    interpolate = torch.nn.functional.interpolate
+    gray = torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32) / 255)
+    border = torch.cat([gray[0], gray[-1], gray[:, 0], gray[:, -1]])
+    inverted = bool(border.median() > 0.5)
+    if inverted:
+        gray, border = 1 - gray, 1 - border
+    ink = (gray - border.median()).clamp(min=0)
+    ink = ink / ink.max().clamp(min=1e-6)
+    rows, cols = torch.nonzero(ink > 0.25, as_tuple=True)
+    (height, width), span = ink.shape, lambda i, n: len(i) and i.min() <= 0.05 * n and i.max() >= 0.95 * n - 1
+    if span(rows, height) or span(cols, width):
+        square = interpolate(ink[None, None], size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear",
+                             align_corners=False, antialias=True)
+        return square.clamp(0, 1)[0].repeat(3, 1, 1), inverted
+    if len(rows):
+        ink = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    side = max(ink.shape)
+    square = torch.zeros(side, side)
+    top, left = (side - ink.shape[0]) // 2, (side - ink.shape[1]) // 2
+    square[top:top + ink.shape[0], left:left + ink.shape[1]] = ink
+    grid = (interpolate(square[None, None], size=(8, 8), mode="area") * 16).round() / 16
+    image = interpolate(grid, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
+    return image.clamp(0, 1)[0].repeat(3, 1, 1), inverted
+
+
 def synthetic_datasets(args):
     """Random images and labels of the run's shape: --max-steps batches per process to train on,
     one batch per process to evaluate."""
@@ -234,7 +154,7 @@ SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-d
 
 def smoke_vit():
     """The --smoke model: a small ViT for 32x32 images in 16 patches of 8 pixels (with 4 of 16, random
-    init read the digits as well as pretrained: README), 3 layers, width 128; a head for the 10
+    init read the digits as well as pretrained: docs/smoke.md), 3 layers, width 128; a head for the 10
     printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
     return VisionTransformer(image_size=SMOKE_IMAGE_SIZE, patch_size=8, num_layers=3,
@@ -270,7 +190,7 @@ def fsdp_each_encoder_block(model, device_mesh):
     """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock its own unit, sharded across
     every process, then the root (embeddings, head). As Lightning's strategy="fsdp" with bf16-mixed,
     parameters are gathered in bfloat16 and gradients reduced in float32 (float32 throughout on a
-    GPU without native bfloat16; run_keeping.py says so)."""
+    GPU without native bfloat16; run_keeping/devices.py says so)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
     bf16 = device_mesh.device_type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
@@ -296,6 +216,12 @@ def tensor_parallel_mlps_then_fsdp(model, device_mesh):
             parallelize_module(block.mlp, device_mesh["tensor_parallel"],
                                {"0": ColwiseParallel(), "3": RowwiseParallel()})
     return fsdp_each_encoder_block(model, device_mesh)
+
+
+# the flag of the technique, had by the script that imports it (run_keeping/flags.py)
+tensor_parallel_mlps_then_fsdp.flags = [("--tensor-parallel", dict(
+    type=command_line.at_least(1), default=2, metavar="N", help="processes that split each MLP "
+    "between them (default 2); the rest of --devices x --num-nodes is data parallel"))]
 
 
 # -- Evaluation -----------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ throughput, 01's training time divided by the script's (the same images in each 
 """
 import argparse
 import csv
-import json
 import os
 import re
 import sys
@@ -21,9 +20,11 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+from run_keeping.errors import fail
+from run_keeping.files import read_records
+
 ROOT = Path(__file__).resolve().parent
 REFERENCE = ROOT / "talk_reference.csv"
-PROG = "plot_results.py"
 BASELINE = "01_pytorch-vit.py"
 NEEDED = ("script", "train_time_s", "peak_memory_gb")
 # (title, record key, the talk's column, how ours converts, value format)
@@ -36,12 +37,7 @@ CHARTS = [
 
 
 def warn(message):
-    print(f"{PROG}: {message}", file=sys.stderr)
-
-
-def fail(message):
-    print(f"{PROG}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    print(f"plot_results.py: {message}", file=sys.stderr)
 
 
 def load_reference(path=REFERENCE):
@@ -53,6 +49,14 @@ def load_reference(path=REFERENCE):
                                     float(v) if v else None) for k, v in row.items()} for row in rows}
 
 
+def chart_command(kind, results):
+    """The command that charts the `kind` runs in `results`."""
+    flags = "".join(f" --{k}" for k in kind.split("-") if k != "full")
+    where = "" if str(results) == "results/runs.jsonl" else f" --results {results}"
+    script = os.path.relpath(ROOT / "plot_results.py")  # as run from the current folder
+    return f"python {script if not script.startswith('..') else ROOT / 'plot_results.py'}{flags}{where}"
+
+
 def kind_of(record):
     """full, smoke, synthetic or smoke-synthetic (records before "kind" existed: from the flags)."""
     if record.get("kind"):
@@ -60,35 +64,24 @@ def kind_of(record):
     return "-".join(k for k in ("smoke", "synthetic") if record.get(k)) or "full"
 
 
-def read_records(path, known):
-    """Records from a JSONL file; bad lines are named, skipped and reported."""
-    records = []
+def usable_records(path, known):
+    """The records of a JSONL file that can be charted; bad lines are named, skipped and
+    reported."""
     try:
-        lines = Path(path).read_text().splitlines()
+        records = read_records(path, skip=lambda number, why: warn(f"{path}:{number}: {why}, skipped"),
+                               numbered=True)
     except OSError as err:
         fail(f"cannot read {path}: {err.strerror or err}")
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            warn(f"{path}:{number}: not JSON, skipped")
-            continue
-        if not isinstance(record, dict):
-            warn(f"{path}:{number}: not a JSON object, skipped")
-            continue
+    usable = []
+    for number, record in records:
         missing = [key for key in NEEDED if record.get(key) is None]
         if missing:
             warn(f"{path}:{number}: record lacks {', '.join(missing)}, skipped")
-            continue
-        if record["script"] not in known:
-            why = ("not in the talk, so not charted (benchmark.py compares it)"
-                   if (ROOT / str(record["script"])).exists() else "skipped")
-            warn(f"{path}:{number}: unknown script {record['script']!r}, {why}")
-            continue
-        records.append(record)
-    return records
+        elif record["script"] not in known:
+            warn(f"{path}:{number}: unknown script {record['script']!r}, skipped")
+        else:
+            usable.append(record)
+    return usable
 
 
 LOG_PATTERNS = {
@@ -250,7 +243,8 @@ def figure(latest, reference, kind):
         below = [v - convert(r[0]) if r and v is not None else 0 for v, r in zip(ours, ranges)]
         above = [convert(r[1]) - v if r and v is not None else 0 for v, r in zip(ours, ranges)]
         bars = ax.bar([x - width / 2 for x in xs], [v or 0 for v in ours], width,
-                      color="#1f77b4", label=f"ours ({kind}; several seeds: mean, min-max)",
+                      color="#1f77b4", label=f"ours ({kind}"
+                      + ("; several seeds: mean, min-max)" if any(ranges) else ")"),
                       yerr=[below, above] if any(ranges) else None, capsize=3,
                       error_kw={"elinewidth": 1})
         for bar, value, up in zip(bars, ours, above):
@@ -277,11 +271,14 @@ def figure(latest, reference, kind):
         headline += ("\n(a 3-layer ViT on 8x8 handwritten digits: 00 from random init, the others "
                      "pretrained on printed digits; on a CPU, memory is the process's peak "
                      "resident memory)")
-    fig.suptitle(headline + "\nTalk (hatched): its published runs on its GPUs "
-                 "(1 GPU; 4 GPUs for 05-07)", fontsize=9)
+    headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
+    # wrapped to the figure's width: at most 7.5 pixels a character at 9 points and 100 dpi
+    chars = int(fig.get_figwidth() * fig.dpi / 7.5)
+    headline = "\n".join(textwrap.fill(line, chars) for line in headline.split("\n"))
+    fig.suptitle(headline, fontsize=9)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
-    lines = headline.count("\n") + 2
+    lines = headline.count("\n") + 1
     fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.0085 * lines))  # room for the headline, no more
     return fig
 
@@ -301,8 +298,7 @@ def save(fig, output):
         os.chmod(tmp, 0o666 & ~umask)  # as any file the user writes (mkstemp makes it 0600)
         os.replace(tmp, output)
     except OSError as err:
-        print(f"{PROG}: error: cannot write {output}: {err.strerror or err}", file=sys.stderr)
-        raise SystemExit(1)
+        fail(f"cannot write {output}: {err.strerror or err}", code=1)
     finally:
         plt.close(fig)
         if tmp and os.path.exists(tmp):
@@ -317,24 +313,25 @@ def main(argv=None):
                         help="also read a log in the talk's text format (repeatable)")
     parser.add_argument("--output", default="results/charts.png", metavar="PNG",
                         help="default results/charts.png (ignored by git)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--smoke", action="store_const", const="smoke", dest="kind",
-                       help="chart the --smoke runs")
-    which.add_argument("--synthetic", action="store_const", const="synthetic", dest="kind",
-                       help="chart the --synthetic (benchmark) runs")
+    parser.add_argument("--smoke", action="store_true", help="chart the --smoke runs")
+    parser.add_argument("--synthetic", action="store_true", help="chart the --synthetic "
+                        "(benchmark) runs; with --smoke, the --smoke --synthetic ones")
     args = parser.parse_args(argv)
+    args.kind = "-".join(k for k in ("smoke", "synthetic") if getattr(args, k)) or None
 
     reference = load_reference()
     records = []
     if Path(args.results).exists() or not args.log:
-        records += read_records(args.results, reference)
+        records += usable_records(args.results, reference)
     for log in args.log:
         records += read_log(log, reference)
     if not records:
         fail(f"nothing to draw: no usable run in {', '.join([args.results, *args.log])}")
     kind, latest = select(records, args.kind)
     if not latest:
-        fail(f"nothing to draw: no {kind} runs (drop --{kind} to chart what there is)")
+        there = sorted({kind_of(r) for r in records})
+        fail(f"nothing to draw: no {kind} runs in {args.results}; it holds {', '.join(there)} "
+             f"runs: chart them with {' or '.join(chart_command(k, args.results) for k in there)}")
     print(table(latest, reference, kind))
     save(figure(latest, reference, kind), args.output)
     print(f"Chart written to {args.output}")

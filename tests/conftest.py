@@ -1,5 +1,4 @@
 """Shared helpers: run the real scripts as subprocesses, offline, in a scratch directory."""
-import json
 import os
 import pickle
 import signal
@@ -14,6 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from run_keeping.files import read_records  # noqa: E402  (the tests read records as the tools do)
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
            "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
@@ -145,10 +145,6 @@ def wait_for(path, proc, timeout=180):
     return False
 
 
-def read_records(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines()]
-
-
 def git_status():
     """The checkout's changed, new and ignored files, less Python's own byte-code caches."""
     proc = subprocess.run(["git", "status", "--porcelain", "--ignored"], cwd=ROOT,
@@ -242,3 +238,31 @@ def smoke_runs(tmp_path_factory):
         return runs[script]
     return get
 
+
+
+def smoke_logits(model_file, bf16):
+    """The smoke test digits' logits of a saved smoke model: in float32, or under bf16-mixed
+    autocast as the training runs and 08 evaluate."""
+    import argparse
+    import torch
+    import local_utilities as lu
+    model = lu.build_vit(None, argparse.Namespace(smoke=True, synthetic=False))
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    model.load_state_dict(torch.load(model_file, map_location="cpu", weights_only=True))
+    model.eval()
+    images = lu.digits_datasets()[2].tensors[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        return model(images).float()
+
+
+def images_bf16_may_flip(model_file, roundings=4):
+    """How many test digits two bfloat16 evaluations of this model may classify differently,
+    derived on this machine (its CPU's bf16 kernels) rather than fitted to one run: D is the
+    largest difference bf16-mixed autocast makes to any logit against float32. A computation
+    that rounds k times where autocast rounds once lies within about k*D of float32, so two of
+    them within `roundings`*D of each other; only a digit whose two best float32 logits are
+    closer than that can change its prediction. Returns (that count, D)."""
+    exact, rounded = smoke_logits(model_file, False), smoke_logits(model_file, True)
+    bound = float((rounded - exact).abs().max())
+    best_two = exact.topk(2, dim=1).values
+    return int(((best_two[:, 0] - best_two[:, 1]) < roundings * bound).sum()), bound

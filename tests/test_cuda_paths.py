@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-import run_keeping as rk
+from run_keeping.keeper import RunKeeper
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     def keeper_and_model():
         model = lu.build_vit(None, args)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
-        keeper = rk.RunKeeper(args)
+        keeper = RunKeeper(args)
         keeper.resume(model, optimizer, train_loader=[None] * steps)
         return keeper, model, optimizer
 

@@ -4,6 +4,7 @@ import sys
 import pytest
 
 import local_utilities as lu
+from run_keeping.flags import SMOKE_EPOCHS
 from conftest import run_script, script_env
 
 
@@ -83,7 +84,7 @@ def test_defaults_reproduce_the_talk(argv):
 def test_smoke_keeps_the_global_batch_on_two_processes(argv):
     args = argv("--smoke", script="06_fabric-vit-mixed-fsdp.py", devices=4)
     assert (args.devices, args.batch_size, args.epochs, args.accelerator) == \
-        (2, 8, lu.SMOKE_EPOCHS[3], "cpu")
+        (2, 8, SMOKE_EPOCHS[3], "cpu")
     assert args.checkpoint_dir.endswith("06_fabric-vit-mixed-fsdp-smoke")
     assert args.save_model == "models/06_fabric-vit-mixed-fsdp-smoke.pt"
     assert argv("--smoke", "--devices", "4", script="06_fabric-vit-mixed-fsdp.py",
@@ -138,10 +139,10 @@ def test_devices_given_in_any_spelling_are_taken(argv, flags, processes):
 
 
 def test_a_smoke_batch_that_16_does_not_divide_is_said(argv):
-    import run_keeping as rk
+    from run_keeping.keeper import RunKeeper
     args = argv("--smoke", "--devices", "3", script="05_fabric-vit-mixed-ddp.py", devices=4)
     assert (args.batch_size, args.data_parallel) == (5, 3)
-    keeper = rk.RunKeeper.__new__(rk.RunKeeper)  # only its words, no run
+    keeper = RunKeeper.__new__(RunKeeper)  # only its words, no run
     keeper.args = args
     assert "The batch is 5 per data-parallel process, 15 in all, not the talk's 16" in keeper.kind_line()
 

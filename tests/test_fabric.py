@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-import run_keeping as rk
+from run_keeping.devices import fall_back_from_bf16
 from conftest import ROOT, free_port, read_records
 
 
@@ -131,14 +131,14 @@ def test_fsdp2_on_a_gpu_gathers_bf16_only_where_the_gpu_has_it(one_process_group
 LEAVE = """
 import atexit, sys, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
-import run_keeping
+from run_keeping.errors import leave
 rank, world = int(sys.argv[3]), int(sys.argv[4])
 if world > 1:
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=rank, world_size=world)
     dist.all_reduce(__import__("torch").ones(1))  # a collective whose tensors gloo's thread holds
 atexit.register(lambda: print("the interpreter's shutdown ran", flush=True))
 print("leaving", flush=True)
-run_keeping.leave(5)
+leave(5)
 """
 
 
@@ -218,7 +218,7 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, capsys, strategy, ex
     if strategy == "fsdp2":
         strategy = L.fabric.strategies.ModelParallelStrategy(lu.fsdp_each_encoder_block, 1, 1)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=strategy)
-    rk.fall_back_from_bf16(fabric)
+    fall_back_from_bf16(fabric)
     assert fabric.strategy.precision.precision == expected
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(
@@ -226,5 +226,5 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, capsys, strategy, ex
         "bf16-mixed")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
-    rk.fall_back_from_bf16(fabric)
+    fall_back_from_bf16(fabric)
     assert fabric.strategy.precision.precision == "bf16-mixed" and capsys.readouterr().out == ""

@@ -4,13 +4,15 @@ import argparse
 import os
 import re
 import runpy
+import signal
+import sys
 import types
 
 import pytest
 import torch
 
 import local_utilities as lu
-from conftest import ROOT, read_records, run_script, write_fake_cifar10
+from conftest import ROOT, images_bf16_may_flip, read_records, run_script, write_fake_cifar10
 
 FAST = "09_fabric-vit-fast.py"
 # PIL's bilinear resize rounds to uint8 (ToTensor divides by 255 afterwards); torch's works in
@@ -74,7 +76,7 @@ def test_the_gpu_path_runs_on_a_cpu(tmp_path):
     without compiling, runs in gpu_check.sh --smoke.)"""
     import signal
 
-    import run_keeping as rk
+    from run_keeping.checkpoints import LATEST
     from conftest import kill_group, start_script, wait_for
     flags = ["--smoke", "--compile-on-cpu"]
     whole, broken = tmp_path / "whole", tmp_path / "broken"
@@ -82,14 +84,14 @@ def test_the_gpu_path_runs_on_a_cpu(tmp_path):
     proc = run_script(FAST, *flags, cwd=whole, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_records(whole / "results" / "runs.jsonl")[-1]
-    assert record["compiled"] is True and record["test_acc"] >= 0.80  # below 04: the schedule (docstring)
+    assert record["compiled"] is True and record["test_acc"] >= 0.85
     assert record["precision"] == "bf16-mixed"
     lr = record["lr"]  # each epoch's first step: at most one epoch of warm-up, then decaying
     peak = lr.index(max(lr))
     assert peak <= 1 and all(a > b for a, b in zip(lr[peak:], lr[peak + 1:])), lr
 
     started = start_script(FAST, *flags, cwd=broken)
-    reached = wait_for(broken / "checkpoints" / "09_fabric-vit-fast-smoke" / rk.LATEST, started, 240)
+    reached = wait_for(broken / "checkpoints" / "09_fabric-vit-fast-smoke" / LATEST, started, 240)
     kill_group(started, signal.SIGKILL)
     assert reached
     resumed = run_script(FAST, *flags, "--resume", cwd=broken, timeout=300)
@@ -107,8 +109,90 @@ def test_the_gpu_path_runs_on_a_cpu(tmp_path):
     evaluated = run_script("08_load-and-evaluate.py", "--smoke", "--model", record["model_file"],
                            cwd=whole)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
-    # 08 runs the model eagerly: in bf16 the compiled kernels round differently, which may flip
-    # a few of the 360 test digits (seen: 1); it says so
+    # 08 runs the model eagerly: the compiled kernels round at most once where eager autocast
+    # does (2 roundings apart), so only digits closer than 2D between their two best logits may
+    # change (conftest.images_bf16_may_flip); 08 says so
     assert "compiled then and runs eagerly now" in evaluated.stdout
     accuracy = re.search(r"^Test accuracy (\d+\.\d\d)%$", evaluated.stdout, re.M)
-    assert accuracy and abs(float(accuracy[1]) - record["test_acc"] * 100) <= 300 / 360 + 0.01
+    may_flip = images_bf16_may_flip(whole / record["model_file"], roundings=2)[0]
+    assert accuracy and abs(float(accuracy[1]) - record["test_acc"] * 100) * 3.6 <= may_flip + 0.02
+
+
+def test_the_recipes_settings(fast, monkeypatch):
+    """What 09 changes against 04 in its set-up: batch 128, no loader workers, AdamW at the peak
+    learning rate scaled by the square root of the batch, fused on the GPU's path."""
+    monkeypatch.setattr(sys, "argv", [FAST, "--accelerator", "cpu"])
+    args = fast["parse_flags"]()
+    assert (args.batch_size, args.epochs, args.devices) == (128, 3, 1)
+    model = lu.smoke_vit()
+    optimizer = fast["make_optimizer"](model, args, fused=True)
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["fused"] is True
+    assert optimizer.defaults["lr"] == pytest.approx(5e-5 * (128 / 16) ** 0.5, rel=1e-12)
+    assert fast["make_optimizer"](model, args, fused=False).defaults["fused"] in (False, None)
+    monkeypatch.setattr(sys, "argv", [FAST, "--smoke"])
+    smoke = fast["parse_flags"]()
+    assert (smoke.batch_size, smoke.epochs) == (16, 2)
+    assert fast["make_optimizer"](model, smoke, fused=False).defaults["lr"] == pytest.approx(6e-4)
+    monkeypatch.setattr(sys, "argv", [FAST, "--smoke", "--num-workers", "2"])
+    with pytest.raises(SystemExit):  # 09 has no loader, so no --num-workers to ignore
+        fast["parse_flags"]()
+
+
+def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
+    """09's loop reads a value off the device only at its print points and once per epoch
+    (validation, checkpoint): every tensor-to-Python conversion is counted over 2 epochs."""
+    import lightning as L
+    from torch.overrides import TorchFunctionMode
+
+    from run_keeping.keeper import RunKeeper
+    reads = {"n": 0}
+    readers = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__float__,
+               torch.Tensor.__int__, torch.Tensor.__bool__, torch.Tensor.__format__}
+
+    ours = (FAST, "run_keeping", "local_utilities.py")
+
+    class CountReads(TorchFunctionMode):  # reads made by the loop and the keeper, not inside torch
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in readers and any(part in sys._getframe(1).f_code.co_filename for part in ours):
+                reads["n"] += 1
+            return func(*args, **(kwargs or {}))
+    monkeypatch.setattr(sys, "argv", [FAST, "--smoke", "--checkpoint-dir", str(tmp_path / "ck"),
+                                      "--epochs", "2", "--max-steps", "30"])
+    args = fast["parse_flags"]()
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    keeper = RunKeeper(args, fabric)
+    try:
+        splits = fast["uint8_splits"](args)
+        splits["train"] = tuple(t[:30 * 16] for t in splits["train"])
+        train = fast["DeviceData"](splits["train"], fabric, 16, 32, True, 123)
+        val = fast["DeviceData"](splits["val"], fabric, 120, 32, False, 123)
+        model = fabric.setup_module(lu.smoke_vit())
+        optimizer = fabric.setup_optimizers(fast["make_optimizer"](model, args, fused=False))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fast["warmup_then_cosine"](2 * len(train)))
+        keeper.resume(model, optimizer, train, scheduler)
+        with CountReads():
+            fast["train"](2, model, optimizer, scheduler, train, val, fabric, keeper)
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        sys.excepthook = sys.__excepthook__
+    assert len(train) == 30  # 60 steps
+    # per epoch: 1 print point (every 100 steps: step 0) with the loss guard's read at step 1,
+    # the validation accuracy, the epoch's mean loss and its print: a handful, not one a step
+    assert reads["n"] <= 2 * 8, reads["n"]
+
+
+@pytest.mark.slow
+def test_the_fast_recipe_beats_04_on_the_demo(smoke_runs, tmp_path):
+    """Over seeds 123, 1 and 2, 09 --smoke's mean test accuracy is at least 04 --smoke's."""
+    talk = "04_fabric-vit-mixed-precision.py"
+    accuracy = {talk: [smoke_runs(talk).record["test_acc"]], FAST: [smoke_runs(FAST).record["test_acc"]]}
+    for seed in ("1", "2"):
+        for script in accuracy:
+            cwd = tmp_path / f"{script[:2]}-{seed}"
+            cwd.mkdir()
+            proc = run_script(script, "--smoke", "--seed", seed, cwd=cwd)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            accuracy[script].append(read_records(cwd / "results" / "runs.jsonl")[-1]["test_acc"])
+    mean = {script: sum(values) / 3 for script, values in accuracy.items()}
+    assert mean[FAST] >= mean[talk], accuracy

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import local_utilities as lu
-import run_keeping as rk
-from conftest import run_script
+from run_keeping.model_file import load_model_file, plain_state_dict
+from conftest import images_bf16_may_flip, run_script
 
 
 def run_08(run, *flags):
@@ -16,20 +16,25 @@ def run_08(run, *flags):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script, images_apart", [
-    ("04_fabric-vit-mixed-precision.py", 0),  # one process, bf16-mixed: the same figure
-    ("06_fabric-vit-mixed-fsdp.py", 1),       # 2 FSDP2 processes (bf16 parameters) vs. autocast
-    ("10_fabric-vit-tensor-parallel.py", 1),  # each MLP split in two, summed in bf16
+@pytest.mark.parametrize("script, roundings", [
+    ("04_fabric-vit-mixed-precision.py", 0),  # one process, bf16-mixed: the same computation
+    ("06_fabric-vit-mixed-fsdp.py", 4),       # FSDP2's bf16 parameters vs. autocast's casts
+    ("10_fabric-vit-tensor-parallel.py", 4),  # each MLP output: two bf16 halves and their sum
 ])
-def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, images_apart):
+def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, roundings):
+    """08 evaluates the saved model whole, on one process. Where the run evaluated it sharded or
+    split, the two round differently: each of those computations rounds at most 3 times where
+    08's autocast rounds once, so their logits lie within 4D of each other (D: what one
+    rounding does to this model's logits here), and only the digits closer than that between
+    their two best classes may differ (conftest.images_bf16_may_flip)."""
     run = smoke_runs(script)
     proc = run_08(run, "--model", run.record["model_file"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"in bf16-mixed (saved by {script}" in proc.stdout
     accuracy = float(proc.stdout.split("Test accuracy ")[1].split("%")[0]) / 100
-    test_images = lu.SMOKE_SPLIT[1]
+    may_flip = images_bf16_may_flip(run.dir / run.record["model_file"], roundings)[0] if roundings else 0
     # the printed figure has 2 decimals: 0.005 points, 0.018 of an image here
-    assert abs(accuracy - run.record["test_acc"]) * test_images <= images_apart + 0.02
+    assert abs(accuracy - run.record["test_acc"]) * lu.SMOKE_SPLIT[1] <= may_flip + 0.02, may_flip
 
 
 @pytest.mark.slow
@@ -84,7 +89,7 @@ def test_bad_model_files(tmp_path, capsys, content, words):
     elif content is not None:
         torch.save(content, path)
     with pytest.raises(SystemExit) as exit_info:
-        rk.load_model_file(small_vit(), path)
+        load_model_file(small_vit(), path)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(path) in err and words in err, err
@@ -94,9 +99,9 @@ def test_bad_model_files(tmp_path, capsys, content, words):
 def test_a_good_model_file_loads(tmp_path):
     model = small_vit()
     path = tmp_path / "model.pt"
-    torch.save(rk.plain_state_dict(model), path)
+    torch.save(plain_state_dict(model), path)
     fresh = small_vit()
-    rk.load_model_file(fresh, path)
+    load_model_file(fresh, path)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
                                                    model.state_dict().values()))
 

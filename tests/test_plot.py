@@ -175,6 +175,24 @@ def test_eight_scripts_without_overlaps():
         assert not overlapping(ax.texts, renderer), ax.get_title()  # the value labels
 
 
+@pytest.mark.parametrize("count", [1, 3, len(SCRIPTS)])
+def test_the_title_and_legend_fit_and_say_only_what_is_drawn(count):
+    """A smoke chart of one script is 900 pixels wide: its title lines wrap to fit inside the
+    figure, and a legend of single runs promises no spread across seeds."""
+    records = {script: dict(r, smoke=True, kind="smoke") for script, r in
+               list(fake_records().items())[4:4 + count] or list(fake_records().items())[:count]}
+    fig = plot_results.figure(records, plot_results.load_reference(), "smoke")
+    fig.canvas.draw()
+    figure_box = fig.bbox
+    title = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
+    assert figure_box.x0 <= title.x0 and title.x1 <= figure_box.x1, (title, figure_box)
+    assert title.y1 <= figure_box.y1
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend[0] == "ours (smoke)" and not any("several seeds" in t for t in legend)
+    axes_top = max(ax.get_window_extent().y1 for ax in fig.axes)
+    assert axes_top <= title.y0 + 1  # the panels start below the title
+
+
 def test_a_panel_without_data_says_so():
     fig = plot_results.figure(fake_records(with_throughput=False), plot_results.load_reference(),
                               "full")
@@ -189,12 +207,12 @@ def test_the_default_chart_goes_to_a_path_git_ignores(tmp_path):
     records = tmp_path / "results" / "runs.jsonl"
     records.parent.mkdir()
     records.write_text("".join(json.dumps(r) + "\n" for r in fake_records().values()))
-    import run_keeping as rk
+    from run_keeping.files import append_record, write_atomically
     umask = os.umask(0o002)  # a umask other than the usual 022: a fixed 0o644 would differ
     try:
         proc = plot(cwd=tmp_path)
-        rk.append_record(tmp_path / "record.jsonl", {"script": "01_pytorch-vit.py"})
-        rk.write_atomically(tmp_path / "model.pt", b"a model")
+        append_record(tmp_path / "record.jsonl", {"script": "01_pytorch-vit.py"})
+        write_atomically(tmp_path / "model.pt", b"a model")
     finally:
         os.umask(umask)
     assert proc.returncode == 0, proc.stderr

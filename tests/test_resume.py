@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import local_utilities as lu
-import run_keeping as rk
-from conftest import TWO_NODES, check_ok, finish, kill_group, read_records, run_script, \
-    script_env, start, start_script, wait_for
+from run_keeping.checkpoints import LATEST
+from run_keeping.keeper import RunKeeper
+from run_keeping.model_file import load_state_dict, plain_state_dict
+from conftest import TWO_NODES, check_ok, finish, images_bf16_may_flip, kill_group, read_records, \
+    run_script, script_env, smoke_logits, start, start_script, wait_for
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
@@ -30,7 +32,7 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
 
     procs = start(script, "--smoke", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / rk.LATEST, procs[0])
+    reached = wait_for(ckpt_dir / LATEST, procs[0])
     if script == TWO_NODES:
         # a machine lost mid-run: node 1's torchrun agent and worker killed, as when it dies;
         # node 0 stops within seconds, saying so in one line of its own, with a documented code
@@ -55,7 +57,7 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     assert reached, outputs[0][-3000:]
     # killed mid-training: the records file is as it was, and valid JSONL
     assert results.read_text() == EARLIER
-    assert json.loads((ckpt_dir / rk.LATEST).read_text())["epochs_done"] >= 1
+    assert json.loads((ckpt_dir / LATEST).read_text())["epochs_done"] >= 1
 
     procs = start(script, "--smoke", "--resume", cwd=tmp_path)
     outputs = finish(procs)
@@ -66,15 +68,24 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     record, baseline = records[1], smoke_runs(script).record
     assert record["resumed"] is True and baseline["resumed"] is False
     assert len(record["train_loss"]) == len(baseline["train_loss"]) == record["epochs"]
-    # 10: the tensor-parallel all-reduces add bfloat16 halves in an order gloo does not fix, so
-    # two runs differ in the 4th digit (measured: 1e-4 relative); the others repeat exactly
-    tolerance = 1e-3 if script.startswith("10") else 1e-6
-    for a, b in zip(record["train_loss"], baseline["train_loss"]):
-        assert abs(a - b) <= tolerance * abs(b)
+    if script != "10_fabric-vit-tensor-parallel.py":  # the same maths in the same order
+        assert record["train_loss"] == pytest.approx(baseline["train_loss"], rel=1e-6)
+        assert (record["val_acc"], record["test_acc"]) == (baseline["val_acc"], baseline["test_acc"])
+    else:
+        # 10 resumes within rounding, not bit for bit: its split MLP sums bfloat16 halves, and the
+        # resumed run re-rounds. Derived bounds: the two finished models' float32 logits differ by
+        # less than one bfloat16 rounding of them (D, measured on this machine's kernels); the
+        # epoch losses by less than bf16's relative rounding step (2**-8); and only digits whose
+        # two best logits are closer than two split evaluations (3 roundings each, 3D) plus the
+        # models' difference (at most D) can change: 7D.
+        ours, theirs = tmp_path / record["model_file"], smoke_runs(script).dir / baseline["model_file"]
+        may_flip, bound = images_bf16_may_flip(theirs, roundings=7)
+        apart = float((smoke_logits(ours, False) - smoke_logits(theirs, False)).abs().max())
+        assert apart <= bound, (apart, bound)
+        assert record["train_loss"] == pytest.approx(baseline["train_loss"], rel=2**-8)
+        assert all(abs(a - b) * 240 <= may_flip + 1e-9 for a, b in zip(record["val_acc"], baseline["val_acc"]))
+        assert abs(record["test_acc"] - baseline["test_acc"]) * 360 <= may_flip + 1e-9, may_flip
     assert record["lr"] == baseline["lr"]
-    images = 1 if script.startswith("10") else 0  # 10: within one image of 240 and of 360
-    assert all(abs(a - b) * 240 <= images + 1e-9 for a, b in zip(record["val_acc"], baseline["val_acc"]))
-    assert abs(record["test_acc"] - baseline["test_acc"]) * 360 <= images + 1e-9
     assert record["steps"] == baseline["steps"]
     assert record["train_time_s"] > 0
     assert not ckpt_dir.exists()  # finished: nothing left to resume
@@ -88,7 +99,7 @@ def test_each_kind_of_run_keeps_its_own_files(tmp_path):
     mixed = ["--smoke", "--synthetic", "--max-steps", "6", "--epochs", "30"]
     ckpt_dir = tmp_path / "checkpoints" / "03_fabric-vit-smoke-synthetic"
     proc = start_script(script, *mixed, cwd=tmp_path)
-    reached = wait_for(ckpt_dir / rk.LATEST, proc)
+    reached = wait_for(ckpt_dir / LATEST, proc)
     kill_group(proc, signal.SIGKILL)
     assert reached
     smoke = run_script(script, "--smoke", cwd=tmp_path)  # the README's first command
@@ -132,7 +143,7 @@ def test_ctrl_c_and_sigterm_stop_cleanly(tmp_path, script, sig, code):
     results.write_text(EARLIER)
     ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
     proc = start_script(script, "--smoke", "--seed", "7", "--epochs", "3", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / rk.LATEST, proc)
+    reached = wait_for(ckpt_dir / LATEST, proc)
     out = kill_group(proc, sig)  # the whole process group, as a terminal's Ctrl-C or SLURM does
     assert reached, out[-3000:]
     assert proc.returncode == code, out[-3000:]
@@ -211,7 +222,7 @@ def keeper_after_steps(args, losses, model=None, optimizer=None):
     """A RunKeeper that has seen one epoch of these step losses (as tensors)."""
     if model is None:
         model, optimizer = model_and_optimizer(args)
-    keeper = rk.RunKeeper(args)
+    keeper = RunKeeper(args)
     keeper.resume(model, optimizer, train_loader=[None] * len(losses))
     for loss in losses:
         keeper.step(torch.tensor(loss), batch_size=4)
@@ -225,28 +236,28 @@ def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
         keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     assert exit_info.value.code == 1
     assert f"the loss is {bad} at epoch 1, batch 2" in capsys.readouterr().err
-    assert not os.path.exists(keeper.ckpt_dir)
+    assert not os.path.exists(keeper.checkpoints.folder)
 
 
 def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
     keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 4.0, 3.0, 7.0])
     time.sleep(0.5)  # the validation, which images_per_s leaves out
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
-    assert keeper.timed_seconds < 0.25
+    assert keeper.meter.timed_seconds < 0.25
     assert keeper.train_loss == [4.0] and keeper.lr == [5e-5]
     # images_per_s counts neither the run's first 3 steps nor validation: 1 timed step of 4
-    assert keeper.timed_images == 4 and keeper.timed_seconds > 0
+    assert keeper.meter.timed_images == 4 and keeper.meter.timed_seconds > 0
 
 
 def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys):
     """The README's `python 04... --resume` after a --smoke run: the error names the -smoke
     folder and the command that continues it."""
     (tmp_path / "checkpoints" / "01_pytorch-vit-smoke").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / rk.LATEST).write_text("{}")
+    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / LATEST).write_text("{}")
     args = parse("--resume", "--accelerator", "cpu")
     args.smoke, args.kind, args.checkpoint_dir = False, "", "checkpoints/01_pytorch-vit"
     with pytest.raises(SystemExit) as exit_info:
-        rk.RunKeeper(args)
+        RunKeeper(args)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "nothing to resume in checkpoints/01_pytorch-vit (no latest.json)" in err
@@ -255,19 +266,19 @@ def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys
 
 def test_fresh_run_refuses_to_overwrite_an_unfinished_one(parse, tmp_path, capsys):
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / rk.LATEST).write_text("{}")
+    (tmp_path / "ck" / LATEST).write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
-        rk.RunKeeper(parse("--checkpoint-dir", str(tmp_path / "ck")))
+        RunKeeper(parse("--checkpoint-dir", str(tmp_path / "ck")))
     assert exit_info.value.code == 2
     assert "--resume" in capsys.readouterr().err
-    assert (tmp_path / "ck" / rk.LATEST).read_text() == "{}"
+    assert (tmp_path / "ck" / LATEST).read_text() == "{}"
 
 
 def write_checkpoint(args, **meta):
     """A real checkpoint of the smoke model, written by RunKeeper's own save."""
     keeper, model, optimizer = keeper_after_steps(args, [1.0])
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
-    latest = os.path.join(args.checkpoint_dir, rk.LATEST)
+    latest = os.path.join(args.checkpoint_dir, LATEST)
     if meta:
         data = json.load(open(latest))
         data["settings"].update(meta.pop("settings", {}))
@@ -298,7 +309,7 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed") \
         if "precision" in difference else None
     with pytest.raises(SystemExit) as exit_info:
-        rk.RunKeeper(args, fabric).resume(model, optimizer, train_loader=[None])
+        RunKeeper(args, fabric).resume(model, optimizer, train_loader=[None])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and difference in err, err
@@ -319,7 +330,7 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     args = parse("--resume", "--checkpoint-dir", ck)
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
+        RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
@@ -335,13 +346,13 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     args = parse("--resume", "--checkpoint-dir", str(ck))
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
+        RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     assert "cannot load" in capsys.readouterr().err
     assert checkpoint.read_bytes() == corrupt
-    (ck / rk.LATEST).write_text("{not json")
+    (ck / LATEST).write_text("{not json")
     with pytest.raises(SystemExit):
-        rk.RunKeeper(args).resume(model, optimizer, train_loader=[])
+        RunKeeper(args).resume(model, optimizer, train_loader=[])
     assert "corrupt" in capsys.readouterr().err
 
 
@@ -355,7 +366,7 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
-    resumed = rk.RunKeeper(args)
+    resumed = RunKeeper(args)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None] * 2)
     assert torch.equal(fresh.conv_proj.weight, model.conv_proj.weight)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
@@ -371,12 +382,12 @@ def test_a_compiled_models_checkpoint_and_file_fit_the_uncompiled_model(parse):
     plain, _ = model_and_optimizer(args)
     compiled = torch.compile(lu.build_vit(None, args))
     assert all(k.startswith("_orig_mod.") for k in compiled.state_dict())
-    state = rk.plain_state_dict(compiled)
+    state = plain_state_dict(compiled)
     assert state.keys() == plain.state_dict().keys()
-    rk.load_state_dict(plain, state)  # 02 -> 01
+    load_state_dict(plain, state)  # 02 -> 01
     assert torch.equal(plain.conv_proj.weight, compiled.conv_proj.weight)
     torch.nn.init.zeros_(plain.conv_proj.weight)
-    rk.load_state_dict(compiled, rk.plain_state_dict(plain))  # 01 -> 02
+    load_state_dict(compiled, plain_state_dict(plain))  # 01 -> 02
     assert not compiled.conv_proj.weight.any()
 
 
@@ -396,10 +407,10 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     with pytest.raises(KeyboardInterrupt):
         keeper.checkpoint(1, model, optimizer, val_acc=0.6)
     monkeypatch.setattr(os, "write", real)
-    assert json.loads((keeper.ckpt_dir / rk.LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
-    assert not (keeper.ckpt_dir / "epoch-0002.ckpt").exists()
+    assert json.loads((keeper.checkpoints.folder / LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
+    assert not (keeper.checkpoints.folder / "epoch-0002.ckpt").exists()
     args = parse("--resume", "--checkpoint-dir", "ck")
     fresh, fresh_optimizer = model_and_optimizer(args)
-    resumed = rk.RunKeeper(args)
+    resumed = RunKeeper(args)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1

@@ -191,19 +191,32 @@ def test_help_opens_with_the_scripts_own_technique(tmp_path):
             "    sys.argv = [script, '--help']\n"
             "    try:\n        runpy.run_path(script, run_name='__main__')\n"
             "    except SystemExit:\n        pass\n")
-    proc = subprocess.run([sys.executable, "-c", code, *[str(ROOT / s) for s in SCRIPTS]],
+    scripts = [*SCRIPTS, "09_fabric-vit-fast.py"]
+    proc = subprocess.run([sys.executable, "-c", code, *[str(ROOT / s) for s in scripts]],
                           cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True,
                           timeout=120)
     helps = proc.stdout.split("usage: ")[1:]
-    assert len(helps) == len(SCRIPTS), proc.stderr[-2000:]
+    assert len(helps) == len(scripts), proc.stderr[-2000:]
+    text = dict(zip(scripts, helps))
+    # each help is generated from what its script does: its own flags, its own defaults
+    flag = {script: {name for name in re.findall(r"--[a-z-]+", h)} for script, h in text.items()}
+    assert [s for s in scripts if "--tensor-parallel" in flag[s]] == ["10_fabric-vit-tensor-parallel.py"]
+    assert [s for s in scripts if "--compile-on-cpu" in flag[s]] == ["09_fabric-vit-fast.py"]
+    assert "--num-workers" not in flag["09_fabric-vit-fast.py"] and "--num-workers" in flag[SCRIPTS[4]]
+    devices = {s: " ".join(h.split("--devices N")[-1].split("--num-nodes")[0].split())
+               for s, h in text.items() if "--devices" in flag[s]}
+    assert devices["09_fabric-vit-fast.py"] == "processes (GPUs) per machine (default 1)"
+    assert devices["05_fabric-vit-mixed-ddp.py"].endswith("(default 4; --smoke on a CPU: 2)")
+    assert not any("02 spends" in h or "40 s" in h for h in helps)
     openings = []
-    for script, text in zip(SCRIPTS, helps):
+    for script, text in zip(scripts[:-1], helps):
         opening = " ".join(text.split("\n\n")[1].split())
         assert opening.startswith(f"{script}: "), opening
         if not script.startswith("00"):
             assert "Changes against 0" in opening, opening
         openings.append(opening)
     assert len(set(openings)) == len(SCRIPTS)
+    assert " ".join(helps[-1].split("\n\n")[1].split()).startswith("09_fabric-vit-fast.py: the fast recipe")
     assert "compile" in openings[2] and "bf16-mixed" in openings[4] and "ddp" in openings[5]
     assert "ExponentialLR" in openings[7] and "tensor parallel" in openings[8]
 
@@ -246,6 +259,7 @@ def test_pretraining_beats_random_init_with_half_the_epochs(smoke_runs):
     assert finetuned["val_acc"][0] > scratch["val_acc"][0] + 0.03
 
 
+@pytest.mark.slow
 def test_the_shared_fixture_fails_on_a_hang_with_the_output():
     """A run that hangs is killed at the time-out and fails with what it printed (06's two
     torchrun nodes once hung this way), instead of an exception without its output."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import local_utilities as lu
+from run_keeping.flags import SMOKE_GLOBAL_BATCH
 from conftest import read_records, run_script
 
 TP = "10_fabric-vit-tensor-parallel.py"
@@ -44,8 +45,8 @@ def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
     assert (tp2["tensor_parallel_size"], tp2["data_parallel_size"], tp2["world_size"]) == (2, 1, 2)
     assert (tp1["tensor_parallel_size"], tp1["data_parallel_size"], tp1["world_size"]) == (1, 1, 1)
     # both processes of the pair train on the same batch of 16: as many steps as one process
-    assert tp2["batch_size"] == tp1["batch_size"] == lu.SMOKE_GLOBAL_BATCH
-    assert tp2["steps"] == tp1["steps"] == tp1["epochs"] * (1197 // lu.SMOKE_GLOBAL_BATCH)
+    assert tp2["batch_size"] == tp1["batch_size"] == SMOKE_GLOBAL_BATCH
+    assert tp2["steps"] == tp1["steps"] == tp1["epochs"] * (1197 // SMOKE_GLOBAL_BATCH)
     assert len(tp2["train_loss"]) == len(tp1["train_loss"]) == tp1["epochs"]
     for a, b in zip(tp2["train_loss"], tp1["train_loss"]):
         assert abs(a - b) <= LOSS_TOLERANCE * b, (tp2["train_loss"], tp1["train_loss"])

@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-import run_keeping as rk
+from run_keeping.checkpoints import LATEST
+from run_keeping.files import append_record, write_atomically
 from conftest import run_script, script_env
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
@@ -31,7 +32,7 @@ def test_a_failed_file_write_leaves_the_old_file_and_no_part(tmp_path, monkeypat
     path.write_bytes(b"the model from before")
     failing_write(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
-        rk.write_atomically(path, b"x" * 1000)
+        write_atomically(path, b"x" * 1000)
     assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
@@ -45,7 +46,7 @@ def test_a_failed_record_append_leaves_the_earlier_records(tmp_path, monkeypatch
     path.write_text(EARLIER)
     failing_write(monkeypatch)
     with pytest.raises(SystemExit) as exit_info:
-        rk.append_record(path, {"script": "01_pytorch-vit.py", "losses": list(range(100))})
+        append_record(path, {"script": "01_pytorch-vit.py", "losses": list(range(100))})
     assert exit_info.value.code == 1
     assert "cannot write the run record" in capsys.readouterr().err
     assert path.read_text() == EARLIER  # the half-written line is cut off again
@@ -57,7 +58,7 @@ def test_a_record_is_one_write(tmp_path, monkeypatch):
     writes = []
     real = os.write
     monkeypatch.setattr(os, "write", lambda fd, data: writes.append(len(data)) or real(fd, data))
-    rk.append_record(path, {"script": "x", "values": list(range(1000))})
+    append_record(path, {"script": "x", "values": list(range(1000))})
     assert len(writes) == 1 and path.read_text().count("\n") == 2
 
 
@@ -97,9 +98,9 @@ def test_full_disk_during_a_run(tmp_path, target, names):
     assert not list(tmp_path.rglob("*.tmp"))
     ckpt = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
     if target.startswith("epoch"):  # the last good checkpoint stays, to resume from
-        assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", rk.LATEST]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", LATEST]
     else:  # the run finished training; its last checkpoint stays until the files are written
-        assert (ckpt / rk.LATEST).exists()
+        assert (ckpt / LATEST).exists()
 
 
 @pytest.fixture
@@ -128,5 +129,5 @@ def test_a_full_filesystem_at_the_second_checkpoint(tmp_path, small_filesystem, 
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"{ckpt}/epoch-0002.ckpt.tmp: No space left on device" in errors[0]
-    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", rk.LATEST]  # disk freed
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", LATEST]  # disk freed
     assert (tmp_path / "results" / "runs.jsonl").read_text() == EARLIER

@@ -1,0 +1,80 @@
+"""The run record: one JSON line per finished run saying what ran and what it measured."""
+import importlib.metadata
+import os
+import platform
+import resource
+import socket
+import sys
+from datetime import datetime, timezone
+
+import torch
+
+STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
+              "ModelParallelStrategy": "fsdp2-per-block", "FSDPStrategy": "fsdp"}
+
+
+def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
+    """What ran (script, kind, start, machine, processes, precision, strategy, settings) and what
+    it measured (time, throughput, memory, per-epoch loss, lr and validation accuracy, test
+    accuracy), the model file, versions, host and time."""
+    precision = fabric.strategy.precision.precision if fabric else "32-true"
+    strategy = type(fabric.strategy).__name__ if fabric else "SingleDeviceStrategy"
+    strategy = "tensor-parallel+fsdp2" if args.tensor_parallel > 1 else STRATEGIES.get(strategy, strategy)
+    return {
+        "script": args.script, "kind": args.kind or "full", "smoke": args.smoke,
+        "synthetic": args.synthetic, "init": getattr(args, "init", None),
+        "resumed": keeper.resumed, "accelerator": args.accelerator,
+        "device_name": device_name(args.accelerator), "devices": args.devices,
+        "num_nodes": args.num_nodes, "world_size": keeper.world_size,
+        "data_parallel_size": args.data_parallel, "tensor_parallel_size": args.tensor_parallel,
+        "precision": precision, "strategy": strategy,
+        "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
+        "max_steps": args.max_steps, "steps": keeper.steps,
+        "train_time_s": round(totals["train_time_s"], 3),
+        "images_per_s": None if images_per_s is None else round(images_per_s, 2),
+        "timed_images": int(totals["timed_images"]),
+        "timed_seconds": round(totals["timed_seconds"], 3),
+        "peak_memory_gb": round(memory, 4),
+        "parameters_per_process": [int(n) for n in keeper.held_parameters],
+        "train_loss": keeper.train_loss, "lr": keeper.lr,
+        "val_acc": None if args.synthetic else keeper.val_acc,
+        "test_acc": None if args.synthetic else test_acc,
+        "model_file": str(args.save_model), "compiled": compiled(),
+        "torch": torch.__version__, "torchvision": version("torchvision"),
+        "lightning": version("lightning"), "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def compiled():
+    """Whether torch.compile compiled anything in this process."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return bool(dynamo and dynamo.counters["stats"]["unique_graphs"])
+
+
+def version(package):
+    """A package's version without importing it (lightning takes seconds to import)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def device_name(accelerator):
+    if accelerator == "cuda":
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor() or platform.machine()
+    return f"CPU {model} ({os.cpu_count()} cores)"
+
+
+def peak_memory_gb(accelerator):
+    """GPU: torch.cuda.max_memory_reserved (the talk's figure); CPU: the process's peak resident
+    memory (Linux reports kilobytes)."""
+    if accelerator == "cuda":
+        return torch.cuda.max_memory_reserved() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9

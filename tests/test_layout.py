@@ -1,0 +1,128 @@
+"""The project's shape: one place for each thing, no import cycle, small units, a README a
+newcomer reads in ten minutes with the detail in docs/."""
+import ast
+import re
+
+import pytest
+
+from conftest import ROOT
+
+SHARED = [ROOT / "local_utilities.py", *sorted((ROOT / "run_keeping").glob("*.py"))]
+TOOLS = [ROOT / "benchmark.py", ROOT / "plot_results.py", ROOT / "make_smoke_weights.py"]
+LESSONS = sorted(ROOT.glob("[01][0-9]_*.py"))
+DOCS = ["flags-records-exit-codes.md", "resume-save-load.md", "benchmarks.md", "smoke.md",
+        "fast-recipe.md", "tensor-parallel.md", "tests.md"]
+
+
+def project_modules():
+    """{module name: path} of the project's own importable modules."""
+    found = {p.stem: p for p in [ROOT / "local_utilities.py", *TOOLS]}
+    found.update({f"run_keeping.{p.stem}": p for p in (ROOT / "run_keeping").glob("*.py")
+                  if p.stem != "__init__"})
+    found["run_keeping"] = ROOT / "run_keeping" / "__init__.py"
+    return found
+
+
+def imports_of(path, known):
+    """The project modules that `path` imports, anywhere in it (deferred imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from run_keeping import signals` imports the submodule, not what the package's
+            # __init__ re-exports
+            subs = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [sub for sub in subs if sub in known] or [node.module]
+        found.update(name for name in names if name in known)
+    return found
+
+
+def test_no_import_cycle():
+    """Every import, deferred ones included: the graph of the project's modules has no cycle."""
+    modules = project_modules()
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    state = {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", f"import cycle: {' -> '.join(trail + [name])}"
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            visit(other, trail + [name])
+        state[name] = "done"
+    for name in sorted(graph):
+        visit(name, [])
+    assert "local_utilities" not in set().union(*(graph[m] for m in graph if m.startswith("run_keeping")))
+
+
+def definitions(paths):
+    """(name, path, kind, lines) of every top-level function, class and constant, and of each
+    class's methods."""
+    found = []
+    for path in paths:
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                found.append((node.name, path, type(node).__name__, node.end_lineno - node.lineno + 1))
+                if isinstance(node, ast.ClassDef):
+                    found += [(f"{node.name}.{m.name}", path, "method", m.end_lineno - m.lineno + 1)
+                              for m in node.body if isinstance(m, ast.FunctionDef)]
+            elif isinstance(node, ast.Assign):
+                found += [(t.id, path, "constant", 1) for t in node.targets if isinstance(t, ast.Name)]
+    return found
+
+
+def test_each_helper_and_constant_is_defined_once():
+    names = {}
+    for name, path, kind, _ in definitions(SHARED + TOOLS):
+        if kind != "method" and name not in ("main", "parse_args", "ROOT"):
+            names.setdefault(name, []).append(path.relative_to(ROOT).as_posix())
+    twice = {name: paths for name, paths in names.items() if len(paths) > 1}
+    # local_utilities.parse_args is the talk's entry point into run_keeping/flags.py's
+    assert not twice, twice
+    for name in ("fail", "WARMUP_STEPS", "read_records", "SMOKE_GLOBAL_BATCH"):
+        assert len(names.get(name, [])) == 1, name
+
+
+def test_no_class_or_function_is_long():
+    for name, path, kind, lines in definitions(SHARED):
+        limit = 150 if kind == "ClassDef" else 50
+        assert lines <= limit, f"{path.name}: {name} is {lines} lines"
+    assert len((ROOT / "local_utilities.py").read_text().splitlines()) <= 250
+
+
+def test_shared_code_does_not_branch_on_a_scripts_name():
+    pattern = re.compile(r"""(startswith|==|!=)\s*\(?\s*["'](0\d|1\d)""")
+    for path in SHARED:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            assert not pattern.search(line), f"{path.name}:{number}: {line.strip()}"
+
+
+def test_the_talks_train_switch_has_one_short_comment():
+    lines = {line.strip() for path in LESSONS for line in path.read_text().splitlines()
+             if line.strip().startswith("model.train()  #")}
+    assert len(lines) == 1
+    comment = next(iter(lines)).split("#", 1)[1]
+    assert len(comment) <= 100
+
+
+def test_the_readme_is_one_page_with_the_detail_in_docs():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200
+    headings = re.findall(r"^## (.+)$", readme, re.M)
+    assert headings[:2] == ["Set-up", "The scripts"]
+    assert sum(1 for line in readme.splitlines() if line.startswith("| `")) == len(LESSONS)  # one table
+    for page in DOCS:
+        assert f"docs/{page}" in readme and (ROOT / "docs" / page).exists(), page
+    for link in re.findall(r"\]\(([^)#]+\.md)\)", readme + "".join(
+            (ROOT / "docs" / p).read_text() for p in DOCS)):
+        assert (ROOT / link).exists() or (ROOT / "docs" / link).exists(), link
+
+
+@pytest.mark.parametrize("page", ["README.md", *[f"docs/{p}" for p in DOCS]])
+def test_the_pages_talk_about_the_suite_not_how_it_was_made(page):
+    text = (ROOT / page).read_text()
+    for phrase in re.findall(r"(?i)session|lent to|the issue|this project's machine", text):
+        pytest.fail(f"{page} says {phrase!r}")
