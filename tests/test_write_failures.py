@@ -88,7 +88,7 @@ def test_full_disk_during_a_run(tmp_path, target, names):
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
     env = script_env(tmp_path, PYTHONPATH=str(site), FULL_DISK_AT=target)
-    proc = run_script("01_pytorch-vit.py", "--smoke", cwd=tmp_path, env=env)
+    proc = run_script("01_pytorch-vit.py", "--smoke", "--max-steps", "10", cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
@@ -124,7 +124,7 @@ def test_a_full_filesystem_at_the_second_checkpoint(tmp_path, small_filesystem, 
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
     ckpt = small_filesystem / "ck"
-    proc = run_script(script, "--smoke", "--checkpoint-dir", str(ckpt), cwd=tmp_path)
+    proc = run_script(script, "--smoke", "--max-steps", "10", "--checkpoint-dir", str(ckpt), cwd=tmp_path)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
