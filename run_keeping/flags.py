@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from run_keeping.errors import fail
 from run_keeping.files import unwritable
 from run_keeping.timing import WARMUP_STEPS
 
@@ -19,6 +20,25 @@ SMOKE_EPOCHS = {10: 4, 3: 2}
 SMOKE_GLOBAL_BATCH = 16   # --smoke splits the talk's batch of 16 across data-parallel replicas
 SYNTHETIC_STEPS = 20      # --synthetic trains this many steps (one epoch) unless --max-steps
 DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's loader reads
+
+
+def check_versions(script):
+    """One line, exit 2, when an installed library is older than requirements.txt's lower bound
+    (its comment says why each bound is what it is)."""
+    import importlib.metadata
+    import re
+    from packaging.version import Version
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        found = re.match(r"^(torch|torchvision|lightning|torchmetrics)>=([\d.]+)", line)
+        if not found:
+            continue
+        try:
+            installed = importlib.metadata.version(found[1])
+        except importlib.metadata.PackageNotFoundError:
+            continue  # the import at the script's top says so
+        if Version(installed.split("+")[0]) < Version(found[2]):
+            fail(f"{script} needs {found[1]} >= {found[2]} (requirements.txt says why); this is "
+                 f"{installed}. pip install -r requirements.txt brings it.")
 
 
 def at_least(minimum):
@@ -92,6 +112,7 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
     and --num-nodes with that default. `flags`: the script's own; `loader=False`: the script
     has no loader workers; `train_images`: {kind: training images}, to check the batch against."""
     script = Path(sys.argv[0]).name
+    check_versions(script)
     smoke_epochs = smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
     parser = argparse.ArgumentParser(description=describe(script))
     add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, [*flags, *brought_flags()])

@@ -182,3 +182,22 @@ def test_smoke_epochs_take_the_talks_shape(argv):
     scratch = argv("--smoke", script="00_pytorch-vit-random-init.py", epochs=10).epochs
     finetune = argv("--smoke", script="01_pytorch-vit.py", epochs=3).epochs
     assert finetune >= 2 and 2 * finetune <= scratch  # 2: the kill-and-resume tests need it
+
+
+def test_a_library_older_than_the_requirements_is_named(argv, capsys, monkeypatch):
+    """An installed torch below requirements.txt's bound: one line naming the version needed and
+    the one installed, exit 2, before any flag is read."""
+    import importlib.metadata
+    import re
+    from conftest import ROOT
+    bound = re.search(r"^torch>=([\d.]+)", (ROOT / "requirements.txt").read_text(), re.M)[1]
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "2.5.1+cpu" if name == "torch" else real(name))
+    with pytest.raises(SystemExit) as exit_info:
+        argv("--smoke", script="06_fabric-vit-mixed-fsdp.py", devices=4)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"06_fabric-vit-mixed-fsdp.py: error: 06_fabric-vit-mixed-fsdp.py needs torch >= "
+                   f"{bound} (requirements.txt says why); this is 2.5.1+cpu. pip install -r "
+                   "requirements.txt brings it."]

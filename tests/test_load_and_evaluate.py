@@ -67,12 +67,30 @@ def test_08_refuses_a_smoke_model_as_vit_b_16(smoke_runs):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "holds the small --smoke ViT" in errors[0], proc.stderr
+    # the reason in whole words, not torch's header line
+    assert "conv_proj.weight 128x3x8x8 in the file against 768x3x16x16 here" in errors[0], errors[0]
+    assert errors[0].endswith("Add or drop --smoke to match the run that made it.")
 
 
 def small_vit():
     model = lu.build_vit(None, argparse.Namespace(smoke=True, synthetic=False))
     model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
     return model
+
+
+def test_a_model_file_cut_short_is_said_so_in_whole_words(tmp_path, capsys):
+    """Half of a real model file (a copy cut off mid-write): the reason is whole, not torch's
+    message cut at a character count."""
+    buffer = tmp_path / "whole.pt"
+    torch.save(small_vit().state_dict(), buffer)
+    path = tmp_path / "model.pt"
+    path.write_bytes(buffer.read_bytes()[:buffer.stat().st_size // 2])
+    with pytest.raises(SystemExit) as exit_info:
+        load_model_file(small_vit(), path)
+    assert exit_info.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(f"{path} is not a readable model file: it is cut short or damaged (not a "
+                         "whole file that torch.save wrote)."), line
 
 
 @pytest.mark.parametrize("content, words", [
