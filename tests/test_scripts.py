@@ -18,10 +18,12 @@ RECORD_KEYS = {"script", "kind", "init", "data_parallel_size", "tensor_parallel_
 BATCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Batch \d{4}/\d{4} \| Loss: \d+\.\d{4}$", re.M)
 EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val acc\.: \d+\.\d{2}%$",
                         re.M)
-# measured here (2 cores): 02 compiles for about 40 s; 05-07 start 2 processes
-WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 180, "05_fabric-vit-mixed-ddp.py": 150,
-                "06_fabric-vit-mixed-fsdp.py": 150, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 150,
-                "10_fabric-vit-tensor-parallel.py": 150}
+# A smoke run is small: this catches one that is not (a full-size run takes hours on a CPU), with
+# room for a loaded 2-core machine (01 --smoke: 7 s alone, 61 s beside a second test suite).
+# 02 also compiles (about 40 s with a cold cache); 05-07 and 10 start 2 processes.
+WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 240, "05_fabric-vit-mixed-ddp.py": 240,
+                "06_fabric-vit-mixed-fsdp.py": 240, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 240,
+                "10_fabric-vit-tensor-parallel.py": 240}
 
 
 @pytest.mark.slow
@@ -60,7 +62,7 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
     assert len(last) == 1 and last[0] >= len(lines) - 3, lines[-4:]
     assert lines[last[0] - 1].startswith("SMOKE RUN on CPU") and "8x8 handwritten digits" in lines[last[0] - 1]
     assert record["model_file"] in lines[last[0]] and (run.dir / record["model_file"]).exists()
-    assert run.wall_s <= WALL_LIMIT_S.get(script, 60), f"took {run.wall_s:.0f} s"
+    assert run.wall_s <= WALL_LIMIT_S.get(script, 120), f"took {run.wall_s:.0f} s"
 
 
 @pytest.mark.slow
