@@ -154,8 +154,11 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
 
     class CountReads(TorchFunctionMode):  # reads made by the loop and the keeper, not inside torch
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            if func in readers and any(part in sys._getframe(1).f_code.co_filename for part in ours):
-                reads["n"] += 1
+            if func in readers:
+                frame = sys._getframe(1)  # the first caller outside torch made the read
+                while frame and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                    frame = frame.f_back
+                reads["n"] += bool(frame) and any(part in frame.f_code.co_filename for part in ours)
             return func(*args, **(kwargs or {}))
     monkeypatch.setattr(sys, "argv", [FAST, "--smoke", "--checkpoint-dir", str(tmp_path / "ck"),
                                       "--epochs", "2", "--max-steps", "30"])
@@ -180,7 +183,7 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
     assert len(train) == 30  # 60 steps
     # per epoch: 1 print point (every 100 steps: step 0) with the loss guard's read at step 1,
     # the validation accuracy, the epoch's mean loss and its print: a handful, not one a step
-    assert reads["n"] <= 2 * 8, reads["n"]
+    assert 0 < reads["n"] <= 2 * 8, reads["n"]  # the print points' reads are seen
 
 
 @pytest.mark.slow
