@@ -60,7 +60,8 @@ def parse_args():
                  f"when they finish): give --model PATH.{also}")
         args.model = max(models, key=os.path.getmtime)
     # the settings get_dataloaders needs, for the test set only
-    args.synthetic, args.max_steps, args.batch_size, args.data_parallel, args.seed = False, None, 16, 1, 123
+    args.synthetic, args.max_steps, args.seed = False, None, 123
+    args.batch_size, args.micro_batches, args.data_parallel = 16, 1, 1
     return args
 
 

@@ -29,12 +29,14 @@ from pathlib import Path
 import torch
 import torch.utils.data as torch_data
 
+from benchmark_memory import (MEMORY_MODELS, SCRIPTS, VIT_OF, make_strategy, memory_report, memory_run,
+                              process_range, talk_memory)
+from plot_results import fmt
 from run_keeping.errors import fail, leave
 from run_keeping.files import remove_empty_folders
 from run_keeping.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parent
-SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
 # Dense peak TFLOP/s (no sparsity) from NVIDIA's data sheets: A100 (2020; SXM and PCIe alike),
 # H100 SXM and PCIe (H100 data sheet, 2023), H100 NVL and H200 SXM / NVL (H200 data sheet, 2024),
 # whose tensor-core figures are printed "with sparsity" and are halved here. Lightning's table
@@ -50,29 +52,15 @@ PEAKS = [  # (name contains, {"fp32", "tf32", "bf16"} TFLOP/s)
     ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}),
 ]
 UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16"}  # fp16 = bf16 on these
-# --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
-# state, not the activations), and the strategies of 01/04, 05, 06 and 10 on 1 or 2 processes.
-MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
-                 "ViT-H/14": ("vit_h_14", 28)}
-MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
-    "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
-    "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
-STATE_BYTES = 16  # per parameter held: float32 weight and gradient, Adam's two moments
-DDP_BUCKET_BYTES = 4  # DDP's gradient buckets: a float32 copy of every gradient
-# glibc raises its mmap threshold after each large free, so later large buffers come from its heap
-# and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
-# Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
-# process's resident memory follows what it holds. A GPU's caching allocator keeps freed blocks
-# too, and max_memory_reserved (the talk's figure) counts them.
-EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
-    parser.add_argument("--scripts", nargs="+", default=[n for n in SCRIPTS if n != "00"],
-                        metavar="NN[@B]", help="scripts by number, @B for another batch "
-                        "(default: every one that trains but 00, which is 01 from random init)")
+    parser.add_argument("--scripts", nargs="+", default=None, metavar="NN[@B]",
+                        help="scripts by number, @B for another batch (default: every one that "
+                        "trains but 00, which is 01 from random init; --memory --talk: 01-07 and "
+                        "10; --sequel: 04 and 11-15)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
                         help="per process, where NN@B does not say (default 16; 09: 128)")
     parser.add_argument("--max-steps", type=int, default=30, metavar="N",
@@ -97,13 +85,29 @@ def parse_args(argv=None):
                         metavar="N", help="worker counts to time the loader with (default 0 1 2 4)")
     parser.add_argument("--memory", action="store_true", help="memory per process by model "
                         "and strategy (synthetic steps), beside the arithmetic; a chart too")
-    parser.add_argument("--memory-models", nargs="+", default=["ViT-B/16", "ViT-L/16"],
+    parser.add_argument("--memory-models", nargs="+", default=None,
                         choices=list(MEMORY_MODELS), metavar="MODEL",
                         help="for --memory (default: ViT-B/16 ViT-L/16, 1 min 52 s on a 2-core "
-                             "AMD EPYC, 2026-12-01; ViT-H/14 took 2 min 3 s more)")
+                             "AMD EPYC, 2026-12-01; ViT-H/14 took 2 min 3 s more; --talk: "
+                             "ViT-B/16; --sequel: ViT-B/16 ViT-L/16)")
+    parser.add_argument("--talk", action="store_true", help="with --memory: the talk's memory "
+                        "column, each script as it is at 224x224, batch 16 (docs/benchmarks.md)")
+    parser.add_argument("--sequel", action="store_true", help="with --memory: the memory "
+                        "sequel's chain, 04 and 11-15, on ViT-B/16 and ViT-L/16")
     parser.add_argument("--bare-loop", nargs=6, help=argparse.SUPPRESS)  # internal: one bare run
     parser.add_argument("--memory-run", nargs="+", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
+    if (args.talk or args.sequel) and not args.memory:
+        parser.error("--talk and --sequel go with --memory")
+    args.memory_models_given = args.memory_models is not None
+    args.memory_models = args.memory_models or ["ViT-B/16", "ViT-L/16"]
+    if args.talk or args.sequel:
+        if any(m not in VIT_OF for m in args.memory_models):
+            parser.error(f"--memory --talk builds the scripts' own models: {' '.join(VIT_OF)}")
+        if any(spec not in SCRIPTS for spec in args.scripts or []):
+            parser.error(f"--memory --talk runs scripts by number at batch 16; known: {' '.join(SCRIPTS)}")
+    args.memory_scripts = args.scripts if args.talk or args.sequel else None
+    args.scripts = args.scripts or [n for n in SCRIPTS if n != "00"]
     args.runs = []
     for spec in args.scripts:
         number, _, batch = spec.partition("@")
@@ -164,10 +168,9 @@ def run_script(script, batch, args):
              "benchmark-models" / f"{script[:-3]}.pt"), "--checkpoint-dir",
              str(Path(args.results).parent / "benchmark-checkpoints" / script[:-3]),
              *common_flags(args)]
-    if script[:2] in ("05", "06", "07"):
-        flags += ["--devices", str(args.devices)]
-    if script[:2] == "10":  # tensor parallelism needs its 2 processes
-        flags += ["--devices", str(max(2, args.devices))]
+    takes, least = process_range(script)
+    if takes:  # 05-07, 10, 15; 10's tensor parallelism needs its 2 processes
+        flags += ["--devices", str(max(least, args.devices))]
     before = len(read_lines(args.results))
     print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
     proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True,
@@ -243,201 +246,6 @@ def bare_loop(args):
                                         "peak_memory_gb": float(memory)}))
     fabric.barrier()
     leave(0)  # run_keeping/errors.py: why a multi-process run ends so
-
-
-def process_memory(cuda):
-    """(current, peak) bytes of this process: the CUDA caching allocator's reserved memory, or
-    the resident set (VmRSS, VmHWM)."""
-    if cuda:
-        return torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
-    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return (int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024)
-
-
-def reset_peak_memory(cuda):
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    else:  # Linux: writing 5 resets the peak resident set size to the current one
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def memory_run(args):
-    """In each process of one strategy: the model(s) in turn, set up, two synthetic Adam steps in
-    bf16-mixed (as 04-07 and 10), and the peak memory of the steps; rank 0 prints one line each."""
-    import gc
-    import lightning as L
-    import torch.nn.functional as F
-    import torchvision.models
-    from run_keeping.model_file import count_local_parameters
-    strategy, *models = args.memory_run
-    processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
-    accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
-        "cuda" if args.accelerator == "auto" else args.accelerator
-    fabric = L.Fabric(accelerator=accelerator, devices=processes, precision="bf16-mixed",
-                      strategy=make_strategy(record_name, processes, tensor_parallel))
-    fabric.launch()
-    cuda = fabric.device.type == "cuda"
-    libraries = process_memory(cuda)[0]  # before any model: the interpreter and its libraries
-    for name in models:
-        builder, size = MEMORY_MODELS[name]
-        with torch.device("meta"):
-            model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
-        model = model.to_empty(device="cpu")
-        with torch.no_grad():  # values do not matter for memory; filled, so every page is real
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        parameters = sum(p.numel() for p in model.parameters())
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
-        gc.collect()
-        reset_peak_memory(cuda)
-        features = torch.rand(2, 3, size, size, device=fabric.device)
-        targets = torch.randint(0, 10, (2,), device=fabric.device)
-        for _ in range(2):  # the first step creates Adam's moments; the second is the steady state
-            loss = F.cross_entropy(model(features), targets)
-            optimizer.zero_grad()
-            fabric.backward(loss)
-            optimizer.step()
-        after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
-        held = torch.tensor([float(count_local_parameters(model))], device=fabric.device)
-        afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
-        fabric.print("MEMORY " + json.dumps({
-            "model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
-            "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
-            "libraries_gb": libraries / 1e9, "device": fabric.device.type}))
-        del model, optimizer, features, targets, loss
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-    fabric.barrier()
-    leave(0)  # run_keeping/errors.py: why a multi-process run ends so
-
-
-def state_bytes(strategy, parameters, held):
-    """Model-state bytes one process should hold by arithmetic: 16 per parameter it holds, and
-    under DDP 4 more per parameter for the gradient buckets."""
-    return STATE_BYTES * held + (DDP_BUCKET_BYTES * parameters if strategy.startswith("DDP") else 0)
-
-
-def available_memory(cuda):
-    if cuda:
-        return torch.cuda.get_device_properties(0).total_memory
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    return int(meminfo["MemAvailable"].split()[0]) * 1024
-
-
-def memory_report(args):
-    """--memory: each strategy in processes of its own, the models in turn; a table beside the
-    arithmetic, the chart, and the goal on ViT-L/16."""
-    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
-    gpus = torch.cuda.device_count() if cuda else 0
-    budget, rows, notes = available_memory(cuda), [], []
-    for strategy, (processes, _, _) in MEMORY_STRATEGIES.items():
-        if cuda and processes > gpus:
-            notes.append(f"{strategy}: skipped, it needs {processes} GPUs and this machine has {gpus}")
-            continue
-        models = []
-        for name in args.memory_models:
-            parameters, held = expected_held(name, strategy)
-            need = state_bytes(strategy, parameters, held)
-            if need * (1 if cuda else processes) > 0.8 * budget:
-                notes.append(f"{name} under {strategy}: skipped, its model state alone needs about "
-                             f"{need * (1 if cuda else processes) / 1e9:.0f} GB "
-                             f"{'per GPU' if cuda else f'for {processes} processes'}, more than "
-                             f"80% of the {budget / 1e9:.0f} GB {'per GPU' if cuda else 'free here'}")
-            else:
-                models.append(name)
-        if not models:
-            continue
-        print(f"measuring {', '.join(models)} under {strategy}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--memory-run", strategy,
-                               *models, "--accelerator", args.accelerator], capture_output=True,
-                              text=True, env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
-        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("MEMORY ")]
-        if proc.returncode != 0 or len(found) != len(models):
-            fail(f"the memory run of {strategy} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
-        rows += found
-    device = f"{torch.cuda.get_device_name()}: torch.cuda.max_memory_reserved" if cuda else \
-        f"{os.cpu_count()}-core CPU: peak resident memory (VmHWM)"
-    lines = [f"Memory per process, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, on {device}; "
-             "two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
-             "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
-             "parameter (its gradient buckets).", "",
-             "| model | parameters | strategy | processes | parameters held per process | "
-             "model state by arithmetic GB | after the steps, less libraries GB | "
-             "peak per process GB | peak less libraries GB |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        held = max(r["held"])
-        expected = state_bytes(r["strategy"], r["parameters"], held) / 1e9
-        libraries = 0 if cuda else r["libraries_gb"]  # CUDA's figures hold no libraries
-        peak, after = max(r["peak_gb"]), max(r["after_gb"]) - libraries
-        r["expected_gb"], r["peak"], r["peak_less_libraries"] = expected, peak, peak - libraries
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f} M | {r['strategy']} | "
-                     f"{r['processes']} | {held / 1e6:.0f} M | {expected:.2f} | {after:.2f} | "
-                     f"{peak:.2f} | {r['peak_less_libraries']:.2f} |")
-    lines += [""] + [f"- {note}" for note in notes]
-    by = {(r["model"], r["strategy"]): r["peak"] for r in rows}
-    ddp, fsdp, tp = (by.get(("ViT-L/16", s)) for s in ("DDP (05)", "FSDP2 (06)", "TP (10)"))
-    if ddp and fsdp and tp:
-        lines.append(f"- ViT-L/16 on 2 processes: FSDP2's peak is {fsdp / ddp:.2f} of DDP's (goal: "
-                     f"at most 0.6); TP's {tp / ddp:.2f}, {'between the two' if fsdp <= tp <= ddp else 'NOT between them'}.")
-    text = "\n".join(lines)
-    print(text)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(text + "\n")
-    chart = Path(args.results).parent / "memory.png"
-    memory_chart(rows, chart, device)
-    print(f"Chart written to {chart}")
-
-
-def expected_held(name, strategy):
-    """(parameters, parameters one process should hold) by arithmetic, from the model built on
-    the meta device: FSDP2 halves everything; TP halves each MLP's first Linear (weight and bias)
-    and second weight; one process and DDP hold it all."""
-    import torchvision.models
-    builder, size = MEMORY_MODELS[name]
-    with torch.device("meta"):
-        model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
-    parameters = sum(p.numel() for p in model.parameters())
-    if strategy.startswith("FSDP2"):
-        return parameters, parameters / 2
-    if strategy.startswith("TP"):
-        split = sum(layer.mlp[0].weight.numel() + layer.mlp[0].bias.numel() + layer.mlp[3].weight.numel()
-                    for layer in model.encoder.layers)
-        return parameters, parameters - split / 2
-    return parameters, parameters
-
-
-def memory_chart(rows, path, device):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from plot_results import save
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    strategies = list(MEMORY_STRATEGIES)
-    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
-    width = 0.8 / len(strategies)
-    for i, strategy in enumerate(strategies):
-        for j, model in enumerate(models):
-            r = next((r for r in rows if (r["model"], r["strategy"]) == (model, strategy)), None)
-            x = j + (i - (len(strategies) - 1) / 2) * width
-            if r is None:
-                ax.text(x, 0, "skipped", rotation=90, ha="center", va="bottom", fontsize=7)
-                continue
-            peak = r["peak_less_libraries"]
-            ax.bar(x, peak, width, color=f"C{i}", label=strategy if j == 0 else None)
-            ax.plot([x - width / 2, x + width / 2], [r["expected_gb"]] * 2, color="black",
-                    linewidth=2, label="model state by arithmetic" if (i, j) == (0, 0) else None)
-            ax.annotate(f"{peak:.1f}", (x, peak), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(models)))
-    ax.set_xticklabels(models)
-    ax.set_ylabel("peak memory per process, less libraries (GB)")
-    ax.set_title(f"Memory per process as the model grows ({device})", fontsize=9)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    save(fig, path)
 
 
 class Cifar10Shaped(torch_data.Dataset):
@@ -517,24 +325,9 @@ def rows_of(runs, bares, flops, args):
     return unique
 
 
-def make_strategy(name, devices, tensor_parallel=1):
-    """The strategy a script's record names, for `devices` processes."""
-    import lightning as L
-    from local_utilities import fsdp_each_encoder_block, tensor_parallel_mlps_then_fsdp
-    if name in ("single-device", "ddp"):
-        return {"single-device": "auto", "ddp": "ddp"}[name]
-    parallelize = tensor_parallel_mlps_then_fsdp if tensor_parallel > 1 else fsdp_each_encoder_block
-    return L.fabric.strategies.ModelParallelStrategy(parallelize, devices // tensor_parallel,
-                                                     tensor_parallel)
-
-
 def bare_key(record):
     return (record["precision"], record["strategy"], record["world_size"],
             record.get("tensor_parallel_size") or 1, record["batch_size"])
-
-
-def fmt(value, pattern):
-    return "-" if value is None else pattern.format(value)
 
 
 def markdown_table(rows):
@@ -570,6 +363,8 @@ def main(argv=None):
         return bare_loop(args)
     if args.memory_run:
         return memory_run(args)
+    if args.memory and (args.talk or args.sequel):
+        return talk_memory(args)
     if args.memory:
         return memory_report(args)
     if args.peaks:

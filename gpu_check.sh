@@ -3,7 +3,8 @@
 # weights (neither can be downloaded on a machine without internet). ViT-B/16 at 224 on
 # synthetic data: every training script at batch 16 (05-07 with --devices 1, which still runs
 # DDP, FSDP2 and NCCL), 01 and 04 also at batch 128, 09's recipe, a bare loop per configuration,
-# MFU, the talk's speedups and memory beside ours, and the input pipeline's rate. Writes the
+# MFU, the talk's speedups and memory beside ours, the input pipeline's rate, and the talk's
+# memory column and the memory sequel's chain (benchmark.py --memory --talk, --sequel). Writes the
 # report to results/gpu-check.md under the current folder (GPU, driver, versions, date).
 # Not yet run on a GPU (expected: minutes on one H200); no network.
 #   bash gpu_check.sh            # on a GPU machine
@@ -25,7 +26,7 @@ if [ -z "$gpus" ] && [ "$smoke" = no ]; then
   exit 2
 fi
 mkdir -p "$out"
-images=4000 scripts="01 02 03 04 05 06 07 09 01@128 04@128"
+images=4000 scripts="01 02 03 04 05 06 07 09 11 12 13 14 15 01@128 04@128"
 [ "$smoke" = yes ] && images=400
 if [ "$smoke" = yes ] || [ "$(printf '%s\n' "$gpus" | grep -c .)" -ge 2 ]; then
   scripts="$scripts 10"
@@ -39,12 +40,29 @@ gpu=${gpu:-"no NVIDIA GPU (nvidia-smi found none): a CPU run"}
 "$PYTHON" "$here/benchmark.py" --scripts $scripts --max-steps 40 \
   --loader-images "$images" --loader-workers 0 1 2 4 8 --results "$out/gpu-check.jsonl" \
   --report "$out/gpu-check-body.md" "$@"
+# the talk's memory column and the memory sequel's chain (ViT-B/16 and ViT-L/16), each script as
+# it is at 224x224, batch 16: max_memory_reserved beside the arithmetic. At smoke size there is
+# nothing to measure (the smoke ViT is 0.4 M parameters): skipped, saying so.
+if [ "$smoke" = yes ]; then
+  echo "gpu_check.sh: the memory tables (benchmark.py --memory --talk, --sequel) skipped: they" \
+       "measure ViT-B/16 and ViT-L/16 at 224, 14 and 25 min on a 2-core CPU" >&2
+  : > "$out/gpu-check-memory.md"
+else
+  "$PYTHON" "$here/benchmark.py" --memory --talk --results "$out/gpu-check.jsonl" \
+    --report "$out/gpu-check-talk.md"
+  "$PYTHON" "$here/benchmark.py" --memory --sequel --results "$out/gpu-check.jsonl" \
+    --report "$out/gpu-check-sequel.md"
+  cat "$out/gpu-check-talk.md" <(echo) "$out/gpu-check-sequel.md" > "$out/gpu-check-memory.md"
+  rm -f "$out/gpu-check-talk.md" "$out/gpu-check-sequel.md"
+fi
 {
   echo "## GPU check, $(date -u +%Y-%m-%d)"
   echo
   echo "GPU (name, driver, memory): $gpu"
   echo
   cat "$out/gpu-check-body.md"
+  echo
+  cat "$out/gpu-check-memory.md"
 } > "$out/gpu-check.md"
-rm -f "$out/gpu-check-body.md"
+rm -f "$out/gpu-check-body.md" "$out/gpu-check-memory.md"
 echo "Report written to $out/gpu-check.md"

@@ -23,10 +23,11 @@ SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
 # -- Flags ----------------------------------------------------------------------------------------
-def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True):
+def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True,
+               micro_batches=1):
     """The shared command line (run_keeping/flags.py), checked against these data's sizes."""
     return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader,
-                                   train_images={"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN})
+                                   {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}, micro_batches)
 
 
 # -- Data -----------------------------------------------------------------------------------------
@@ -49,7 +50,8 @@ def resize_on_device(images, size=TALK_IMAGE_SIZE):
 
 def get_dataloaders(args):
     """(train, val, test) loaders: CIFAR-10 as in the talk, the --smoke digits or --synthetic
-    data; training shuffles and drops its last partial batch; --max-steps N keeps N batches."""
+    data; training shuffles and drops its last partial batch; --max-steps N keeps N batches; each
+    batch comes in args.micro_batches parts (12-14's gradient accumulation)."""
     if args.synthetic:
         train, val, test = synthetic_datasets(args)
     elif args.smoke:
@@ -58,7 +60,7 @@ def get_dataloaders(args):
         train, val, test = cifar10_datasets(args.data_dir, download=not args.no_download)
     if args.max_steps:
         train = Subset(train, range(min(len(train), args.max_steps * args.batch_size * args.data_parallel)))
-    common = dict(batch_size=args.batch_size,
+    common = dict(batch_size=args.batch_size // args.micro_batches,
                   num_workers=0 if (args.smoke or args.synthetic) else args.num_workers)
     return (DataLoader(train, shuffle=True, drop_last=True, **common),
             DataLoader(val, shuffle=False, **common),
@@ -140,12 +142,12 @@ def as_smoke_digit(image):
 
 def synthetic_datasets(args):
     """Random images and labels of the run's shape: --max-steps batches per process to train on,
-    one batch per process to evaluate."""
+    one image per process to evaluate (a synthetic run measures training, not accuracy)."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.data_parallel
     make = lambda n: TensorDataset(torch.rand(n, 3, size, size, generator=g),  # noqa: E731
                                    torch.randint(0, NUM_CLASSES, (n,), generator=g))
-    return make(args.max_steps * per_step), make(per_step), make(per_step)
+    return make(args.max_steps * per_step), make(args.data_parallel), make(args.data_parallel)
 
 
 # -- Model ----------------------------------------------------------------------------------------
@@ -162,12 +164,13 @@ def smoke_vit():
 
 
 def build_vit(weights, args):
-    """torchvision's vit_b_16(weights=None or "IMAGENET1K_V1"; downloaded into torch's hub cache).
-    --smoke: the small ViT, pretrained where the full run loads IMAGENET1K_V1 (on printed digits,
+    """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1" (downloaded
+    into torch's hub cache). --smoke: the small ViT, pretrained where the full run loads IMAGENET1K_V1 (on printed digits,
     by make_smoke_weights.py: the demo's ImageNet); --synthetic: random init. Notes in
     args.init what the model starts from (for the run's output and record)."""
-    from torchvision.models import ViT_B_16_Weights, vit_b_16
-    weights = None if args.synthetic else ViT_B_16_Weights.verify(weights)
+    import torchvision.models as vits
+    vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
+    weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
     args.init = "random init"
     if args.smoke:
         model = smoke_vit()
@@ -176,30 +179,37 @@ def build_vit(weights, args):
             args.init = f"pretrained on printed digits, {SMOKE_WEIGHTS.parent.name}/{SMOKE_WEIGHTS.name}"
         return model
     if weights is None:
-        return vit_b_16(weights=None)
+        return vits.get_model(vit, weights=None)
     args.init = f"ImageNet-pretrained, {weights}"
     try:
-        return vit_b_16(weights=weights)
+        return vits.get_model(vit, weights=weights)
     except (OSError, RuntimeError) as err:
         cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
         fail(f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)})."
              f" On a machine with internet, download {weights.url} and place it at {cache}.")
 
 
-def fsdp_each_encoder_block(model, device_mesh):
+def fsdp_each_encoder_block(model, device_mesh, offload=False):
     """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock its own unit, sharded across
     every process, then the root (embeddings, head). As Lightning's strategy="fsdp" with bf16-mixed,
     parameters are gathered in bfloat16 and gradients reduced in float32 (float32 throughout on a
-    GPU without native bfloat16; run_keeping/devices.py says so)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    GPU without native bfloat16; run_keeping/devices.py says so). offload: see the next function."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
-    bf16 = device_mesh.device_type != "cuda" or torch.cuda.is_bf16_supported(including_emulation=False)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None,
-                                  reduce_dtype=torch.float32)
-    for module in model.modules():
-        if isinstance(module, EncoderBlock):
-            fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy)
-    return fully_shard(model, mesh=device_mesh["data_parallel"], mp_policy=policy)
+    cuda = device_mesh.device_type == "cuda"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if not cuda or torch.cuda.is_bf16_supported(
+        including_emulation=False) else None, reduce_dtype=torch.float32)
+    place = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()  # OffloadPolicy(): none
+    for module in [*(m for m in model.modules() if isinstance(m, EncoderBlock)), model]:
+        fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy, offload_policy=place)
+    return model
+
+
+def fsdp_each_encoder_block_offloaded(model, device_mesh):
+    """15's: 06's FSDP2 with CPUOffloadPolicy. Each process's shards of the parameters, gradients
+    and Adam's state stay in CPU memory; a unit's shards go to the GPU just to compute, and the
+    optimizer steps on the CPU. On a CPU run everything is there already: it saves nothing."""
+    return fsdp_each_encoder_block(model, device_mesh, offload=True)
 
 
 def tensor_parallel_mlps_then_fsdp(model, device_mesh):

@@ -40,6 +40,11 @@ def warn(message):
     print(f"plot_results.py: {message}", file=sys.stderr)
 
 
+def fmt(value, pattern):
+    """A figure in `pattern`, or "-" where there is none."""
+    return "-" if value is None else pattern.format(value)
+
+
 def load_reference(path=REFERENCE):
     """The talk's table: {script: {technique, epochs, devices, time_min, memory_gb, ...}}; None
     where the talk has no figure (10 is not in the talk)."""

@@ -20,6 +20,7 @@ SMOKE_EPOCHS = {10: 4, 3: 2}
 SMOKE_GLOBAL_BATCH = 16   # --smoke splits the talk's batch of 16 across data-parallel replicas
 SYNTHETIC_STEPS = 20      # --synthetic trains this many steps (one epoch) unless --max-steps
 DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's loader reads
+VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit: the talk's, the memory sequel's
 
 
 def check_versions(script):
@@ -91,6 +92,8 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, extra):
         "line per run, appended (default results/runs.jsonl, under the current folder)")
     add("--save-model", metavar="PATH", help="where the finetuned model goes (default "
         "models/<script>.pt, -smoke/-synthetic before .pt)")
+    add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's; vit_l_16, "
+        "304 M parameters, is the sequel's on memory); not with --smoke")
     add("--seed", type=int, default=123, help="default 123, the talk's")
     add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"],
         help="auto: the GPU if there is one, else the CPU with --smoke")
@@ -107,21 +110,26 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, extra):
 
 
 def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True,
-               train_images=None):
+               train_images=None, micro_batches=1):
     """The flags; `auto` becomes `cuda` or `cpu`. `devices` given: the Fabric scripts' --devices
     and --num-nodes with that default. `flags`: the script's own; `loader=False`: the script
-    has no loader workers; `train_images`: {kind: training images}, to check the batch against."""
+    has no loader workers; `train_images`: {kind: training images}, to check the batch against;
+    `micro_batches`: the loader hands out each batch in that many parts (gradient accumulation)."""
     script = Path(sys.argv[0]).name
     check_versions(script)
     smoke_epochs = smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
     parser = argparse.ArgumentParser(description=describe(script))
     add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, [*flags, *brought_flags()])
     args = parser.parse_args()
+    args.micro_batches = micro_batches
     args.script, args.kind = script, "-".join(k for k in ("smoke", "synthetic") if getattr(args, k))
     ignored = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(args, k, None) not in (None, False)]
     if ignored and (args.smoke or args.synthetic):
         parser.error(f"{' and '.join(ignored)}: a {args.kind} run reads no CIFAR-10 (its data are "
                      "made in memory); drop " + ("them" if len(ignored) > 1 else "it"))
+    if args.smoke and args.vit:
+        parser.error("--vit: a smoke run trains its own small ViT; drop it")
+    args.vit = args.vit or "vit_b_16"
     args.num_workers = 4 if getattr(args, "num_workers", None) is None else args.num_workers
     args.data_dir = args.data_dir or "data"
     place_processes(args, parser, devices, script)
@@ -178,6 +186,9 @@ def settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images):
     talks, replicas = SMOKE_GLOBAL_BATCH, args.data_parallel
     if args.batch_size is None:
         args.batch_size = max(1, talks // replicas) if args.smoke else batch_size
+    if args.batch_size % args.micro_batches:
+        parser.error(f"--batch-size {args.batch_size}: this script trains on it in {args.micro_batches} "
+                     f"equal micro-batches, so it must divide by {args.micro_batches}")
     args.batch_note = ""
     if args.smoke and talks % replicas and args.batch_size == max(1, talks // replicas):
         args.batch_note = (f" The batch is {args.batch_size} per data-parallel process, "

@@ -11,11 +11,12 @@ from run_keeping.errors import leave
 from run_keeping.files import append_record, write_atomically
 from run_keeping.model_file import count_local_parameters, count_parameters, plain_state_dict
 from run_keeping.devices import fall_back_from_bf16, share_cpu_threads
-from run_keeping.record import device_name, make_record, peak_memory_gb
+from run_keeping.flags import VITS
+from run_keeping.record import device_name, forget_cpu_peak, make_record, peak_memory_gb, techniques
 from run_keeping.timing import WARMUP_STEPS, StepMeter
 
 WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
-         "synthetic": "ViT-B/16 from random init on random images and labels",
+         "synthetic": "{vit} from random init on random images and labels",
          "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
 
 
@@ -35,6 +36,7 @@ class RunKeeper:
         self.start_epoch, self.resumed, self.steps = 0, False, 0
         self.train_loss, self.val_acc, self.lr = [], [], []
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
+        self.peak_gb = 0.0  # the largest peak before a checkpoint write (checkpoint())
         self.settings = None  # known once the optimizer is: resume()
 
     def print(self, *a):
@@ -44,7 +46,8 @@ class RunKeeper:
 
     def kind_line(self):
         """What a smoke or synthetic run is, said before its training and again at its end."""
-        what = WHAT_RUNS[self.args.kind].format(init=getattr(self.args, "init", "random init"))
+        what = WHAT_RUNS[self.args.kind].format(init=getattr(self.args, "init", "random init"),
+                                                vit=VITS[self.args.vit])
         return (f"{self.args.kind.upper().replace('-', '+')} RUN on "
                 f"{device_name(self.args.accelerator)}: {what}. Not the talk's experiment; its "
                 f"figures are not the talk's.{getattr(self.args, 'batch_note', '')}")
@@ -53,6 +56,7 @@ class RunKeeper:
         """Says what the run is; with --resume restores model, optimizer, scheduler, random
         states and the figures so far from the newest checkpoint. Returns the first epoch."""
         self.optimizer, self.meter.steps_per_epoch = optimizer, len(train_loader)
+        self.scheduler = scheduler  # saved with each checkpoint, as it is resumed here
         self._started = time.time()
         group = optimizer.param_groups[0]
         self.settings = {**{k: getattr(self.args, k) for k in SETTINGS[:4]},
@@ -97,8 +101,13 @@ class RunKeeper:
         progress = {"epochs_done": epoch + 1, "steps": self.steps, "train_loss": self.train_loss,
                     "val_acc": self.val_acc, "lr": self.lr,
                     **self._totals(time.time() - self._started)}
-        self.checkpoints.save(epoch, model, optimizer, progress, self.settings, scheduler,
+        # memory is training's: a checkpoint write holds a serialised copy of the state for a
+        # moment (Fabric's save, a second in memory), which the talk's scripts never wrote
+        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
+        self.checkpoints.save(epoch, model, optimizer, progress, self.settings, scheduler or self.scheduler,
                               lost_peer=lambda err: signals.lost_peer(self, err))
+        if self.args.accelerator == "cpu":
+            forget_cpu_peak()
 
     def _totals(self, train_time_s):
         """Timed training images of all processes (each image once: a tensor-parallel group
@@ -118,12 +127,13 @@ class RunKeeper:
         checkpoints are removed (nothing left to resume), and a multi-process run ends (leave)."""
         totals = self._totals(train_time_s)
         images_per_s = totals["timed_images"] / totals["timed_seconds"] if totals["timed_seconds"] else None
-        memory = peak_memory_gb(self.args.accelerator)
+        memory = [max(self.peak_gb, peak_memory_gb(self.args.accelerator))]  # each process's
         if self.fabric and self.world_size > 1:
-            memory = float(self.fabric.all_reduce(torch.tensor(memory), reduce_op="max"))
+            memory = self.fabric.all_gather(torch.tensor([memory[0]])).flatten().tolist()
+        self.techniques = techniques(model, self.optimizer, self.fabric)
         state = plain_state_dict(model)  # every process takes part when the model is sharded
         self.print(f"Time elapsed {totals['train_time_s'] / 60:.2f} min")
-        self.print(f"Memory used: {memory:.02f} GB")
+        self.print(f"Memory used: {max(memory):.02f} GB")
         self.print(f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
                    f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
                    "steps and each epoch's first are not)")

@@ -13,6 +13,15 @@ STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
               "ModelParallelStrategy": "fsdp2-per-block", "FSDPStrategy": "fsdp"}
 
 
+def techniques(model, optimizer, fabric):
+    """What the memory arithmetic needs that the precision and strategy do not say: the optimizer,
+    whether blocks are checkpointed, and the parallelize function (15's offloads)."""
+    parallelize = getattr(getattr(fabric, "strategy", None), "_parallelize_fn", None)
+    return {"optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+            "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
+            "parallelize": getattr(parallelize, "__name__", None)}
+
+
 def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
     """What ran (script, kind, start, machine, processes, precision, strategy, settings) and what
     it measured (time, throughput, memory, per-epoch loss, lr and validation accuracy, test
@@ -28,13 +37,15 @@ def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
         "num_nodes": args.num_nodes, "world_size": keeper.world_size,
         "data_parallel_size": args.data_parallel, "tensor_parallel_size": args.tensor_parallel,
         "precision": precision, "strategy": strategy,
-        "epochs": args.epochs, "batch_size": args.batch_size, "seed": args.seed,
+        "model": "smoke ViT" if args.smoke else args.vit, "epochs": args.epochs,
+        "batch_size": args.batch_size, "micro_batches": args.micro_batches, "seed": args.seed,
         "max_steps": args.max_steps, "steps": keeper.steps,
         "train_time_s": round(totals["train_time_s"], 3),
         "images_per_s": None if images_per_s is None else round(images_per_s, 2),
         "timed_images": int(totals["timed_images"]),
         "timed_seconds": round(totals["timed_seconds"], 3),
-        "peak_memory_gb": round(memory, 4),
+        "peak_memory_gb": round(max(memory), 4), "peak_memory_gb_per_process": [round(m, 4) for m in memory],
+        **keeper.techniques,
         "parameters_per_process": [int(n) for n in keeper.held_parameters],
         "train_loss": keeper.train_loss, "lr": keeper.lr,
         "val_acc": None if args.synthetic else keeper.val_acc,
@@ -74,7 +85,21 @@ def device_name(accelerator):
 
 def peak_memory_gb(accelerator):
     """GPU: torch.cuda.max_memory_reserved (the talk's figure); CPU: the process's peak resident
-    memory (Linux reports kilobytes)."""
+    memory since the start or the last forget_cpu_peak (Linux's VmHWM, in kilobytes)."""
     if accelerator == "cuda":
         return torch.cuda.max_memory_reserved() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024 / 1e9
+    except (OSError, StopIteration):  # not Linux: the peak of the whole run
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def forget_cpu_peak():
+    """Linux: the peak resident memory restarts from what the process holds now (writing 5 to
+    clear_refs), so that what a checkpoint write held briefly does not count as training's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass

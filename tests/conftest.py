@@ -1,4 +1,7 @@
 """Shared helpers: run the real scripts as subprocesses, offline, in a scratch directory."""
+import contextlib
+import fcntl
+import json
 import os
 import pickle
 import signal
@@ -14,11 +17,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.files import read_records  # noqa: E402  (the tests read records as the tools do)
+# Lightning gives its loggers a handler on sys.stderr when first imported: imported here, before
+# any test captures stderr, so a handler never writes to a test's closed capture
+import lightning  # noqa: E402, F401
+import torch  # noqa: E402
+torch.set_num_threads(1)  # the tests that compute in pytest's own process, too (script_env)
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
            "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
            "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py",
-           "10_fabric-vit-tensor-parallel.py"]
+           "10_fabric-vit-tensor-parallel.py", "11_fabric-vit-bf16-true.py",
+           "12_fabric-vit-grad-accumulation.py", "13_fabric-vit-activation-checkpointing.py",
+           "14_fabric-vit-sgd-cosine.py", "15_fabric-vit-fsdp-cpu-offload.py"]
 # 06 runs its smoke test as two torchrun 'nodes' of one CPU process each; 05 and 07 run as
 # Fabric launches them (--smoke on a CPU: 2 processes).
 TWO_NODES = "06_fabric-vit-mixed-fsdp.py"
@@ -29,7 +39,11 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
 
 
 def script_env(tmp, **extra):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"), **OFFLINE)
+    """A script's environment in a test: offline, its own torch hub cache, and one CPU thread a
+    process (pytest.ini runs tests side by side, one per core: more threads than cores wait on
+    each other, as torchrun's OMP_NUM_THREADS=1 avoids)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"),
+               OMP_NUM_THREADS="1", **OFFLINE)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(extra)
     return env
@@ -206,38 +220,67 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0, random_pixels=Fa
     return batches
 
 
+def shared_folder(tmp_path_factory):
+    """A folder every worker of this test run sees: pytest-xdist gives each worker a base
+    folder of its own, side by side in the run's; without xdist, the session's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextlib.contextmanager
+def locked(path):
+    """One process at a time, across the test run's workers (an advisory lock on `path`)."""
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class SmokeRun:
+    """A finished --smoke run: .out (the first process's output), .outputs, .wall_s, .record
+    (its run record) and .dir (where it ran)."""
+
+    def __init__(self, folder):
+        saved = json.loads((folder / "result.json").read_text())
+        self.dir, self.outputs, self.wall_s = folder / "run", saved["outputs"], saved["wall_s"]
+        self.failure, self.out, self.record = saved["failure"], saved["outputs"][0], saved["record"]
+
+
 @pytest.fixture(scope="session")
 def smoke_runs(tmp_path_factory):
-    """Each numbered script's --smoke run, once per test session. A result has .out (the output
-    of the first process), .outputs, .wall_s, .record (its run record) and .dir; a run that
-    failed fails every test that asks for it, with its output."""
-    runs = {}
+    """smoke_runs(script, *flags): the script's --smoke run, once per test run however many
+    tests and workers ask for it (the first runs it, the others wait for it and read it). A
+    run that failed or hung fails every test that asks for it, with its output."""
+    shared = shared_folder(tmp_path_factory) / "smoke-runs"
+    shared.mkdir(exist_ok=True)
 
-    class Result:
-        pass
-
-    def get(script):
-        if script not in runs:
-            cwd = tmp_path_factory.mktemp(Path(script).stem)
-            began = time.monotonic()
-            procs = start(script, "--smoke", cwd=cwd)
-            result = Result()
-            result.dir, result.failure, result.outputs = cwd, None, [""]
-            records = cwd / "results" / "runs.jsonl"
-            try:
-                result.outputs = outputs = finish(procs)
-                check_ok(procs, outputs, f"{script} --smoke")
-                assert records.exists(), f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
-            except BaseException as err:  # failed or hung: every later test of it fails at once
-                result.failure = err
-            result.wall_s, result.out = time.monotonic() - began, result.outputs[0]
-            result.record = read_records(records)[-1] if records.exists() else None
-            runs[script] = result
-        if runs[script].failure:
-            raise runs[script].failure
-        return runs[script]
+    def get(script, *flags):
+        folder = shared / "-".join([Path(script).stem, *(f.strip("-") for f in flags)])
+        with locked(shared / f"{folder.name}.lock"):
+            if not (folder / "result.json").exists():
+                (folder / "run").mkdir(parents=True, exist_ok=True)
+                began, outputs, failure, record = time.monotonic(), [""], None, None
+                records = folder / "run" / "results" / "runs.jsonl"
+                procs = start(script, "--smoke", *flags, cwd=folder / "run")
+                try:
+                    outputs = finish(procs)
+                    check_ok(procs, outputs, f"{script} --smoke {' '.join(flags)}")
+                    if not records.exists():
+                        failure = f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
+                except pytest.fail.Exception as err:  # failed or hung: said once, kept
+                    failure = str(err)
+                if records.exists():  # the run's own, before a test runs 08 beside it
+                    record = read_records(records)[-1]
+                (folder / "result.json").write_text(json.dumps(
+                    {"outputs": outputs, "wall_s": time.monotonic() - began, "failure": failure,
+                     "record": record}))
+        run = SmokeRun(folder)
+        if run.failure:
+            pytest.fail(run.failure, pytrace=False)
+        return run
     return get
-
 
 
 def smoke_logits(model_file, bf16):

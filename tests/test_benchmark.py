@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import benchmark
+import benchmark_memory
 from conftest import ROOT, read_records, script_env
 
 
@@ -74,9 +75,9 @@ def test_peaks_command_prints_the_table(tmp_path):
 
 @pytest.mark.slow
 def test_benchmark_rejects_unknown_scripts(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--scripts", "11"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--scripts", "16"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "unknown script 11" in proc.stderr
+    assert proc.returncode == 2 and "unknown script 16" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -146,10 +147,10 @@ def test_memory_arithmetic_per_strategy():
     """What each strategy should hold per process, by arithmetic: DDP adds its buckets to a whole
     copy, FSDP2 halves everything, TP halves each MLP (two thirds of a ViT-L/16) and so lies
     between them."""
-    parameters, _ = benchmark.expected_held("ViT-L/16", "one process")
+    parameters, _ = benchmark_memory.expected_held("ViT-L/16", "one process")
     assert 300e6 < parameters < 310e6
-    held = {s: benchmark.expected_held("ViT-L/16", s)[1] for s in benchmark.MEMORY_STRATEGIES}
-    state = {s: benchmark.state_bytes(s, parameters, held[s]) for s in held}
+    held = {s: benchmark_memory.expected_held("ViT-L/16", s)[1] for s in benchmark_memory.MEMORY_STRATEGIES}
+    state = {s: benchmark_memory.state_bytes(s, parameters, held[s]) for s in held}
     assert state["DDP (05)"] == 20 * parameters and state["one process"] == 16 * parameters
     assert state["FSDP2 (06)"] == 8 * parameters
     assert state["FSDP2 (06)"] < state["TP (10)"] < state["DDP (05)"]
@@ -183,7 +184,7 @@ print(round(rss_mb() - base))
 @pytest.mark.slow
 def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     """400 MB freed between small tensors that stay: glibc's default keeps it resident, which
-    --memory would count as held; with benchmark.EXACT_MALLOC it is handed back."""
+    --memory would count as held; with benchmark_memory.EXACT_MALLOC it is handed back."""
     def resident_after_free(**env):
         proc = subprocess.run([sys.executable, "-c", FREED_BUT_RESIDENT], capture_output=True,
                               text=True, timeout=120, env=dict(os.environ, **env))
@@ -191,7 +192,7 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
         return int(proc.stdout.split()[-1])
     if resident_after_free() < 200:
         pytest.skip("this C library hands freed memory back by itself")
-    assert resident_after_free(**benchmark.EXACT_MALLOC) < 50
+    assert resident_after_free(**benchmark_memory.EXACT_MALLOC) < 50
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
@@ -203,8 +204,8 @@ def test_gpu_check_runs_10_only_with_two_gpus(tmp_path, gpus):
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * gpus)
     python = bin_dir / "python-stand-in"  # records what benchmark.py was asked, writes its report
-    python.write_text('#!/bin/sh\necho "$@" > "$ARGS"\nwhile [ $# -gt 0 ]; do\n'
-                      '  [ "$1" = --report ] && echo "| the table |" > "$2"\n  shift\ndone\n')
+    python.write_text('#!/bin/sh\necho "$@" >> "$ARGS"\nwhile [ $# -gt 0 ]; do\n'
+                      '  [ "$1" = --report ] && echo "| the table of $2 |" > "$2"\n  shift\ndone\n')
     for tool in (smi, python):
         tool.chmod(0o755)
     env = script_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -212,10 +213,32 @@ def test_gpu_check_runs_10_only_with_two_gpus(tmp_path, gpus):
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    scripts = (tmp_path / "args").read_text().split("--scripts ")[1].split(" --")[0].split()
-    assert scripts[:8] == ["01", "02", "03", "04", "05", "06", "07", "09"]
+    calls = (tmp_path / "args").read_text().splitlines()
+    scripts = calls[0].split("--scripts ")[1].split(" --")[0].split()
+    assert scripts[:13] == ["01", "02", "03", "04", "05", "06", "07", "09", "11", "12", "13", "14", "15"]
+    # then the talk's memory column and the sequel's chain, each in a report of its own
+    assert [c.split("benchmark.py ")[1].split(" --results")[0] for c in calls[1:]] == \
+        ["--memory --talk", "--memory --sequel"]
     skipped = "10_fabric-vit-tensor-parallel.py skipped: tensor parallelism splits each MLP across 2 GPUs, and this machine has 1."
     assert ("10" in scripts) == (gpus == 2) and (skipped in proc.stderr) == (gpus == 1)
     report = (tmp_path / "out" / "gpu-check.md").read_text()
     assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB" in report
-    assert "| the table |" in report
+    assert "| the table of" in report and report.count("| the table of") == 3
+
+
+def test_the_memory_lessons_are_known_with_their_processes():
+    args = benchmark.parse_args(["--scripts", "11", "12", "13", "14", "15"])
+    assert [s for s, _ in args.runs] == ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
+                                         "13_fabric-vit-activation-checkpointing.py",
+                                         "14_fabric-vit-sgd-cosine.py", "15_fabric-vit-fsdp-cpu-offload.py"]
+    assert [b for _, b in args.runs] == [16] * 5
+    # read from each script: whether it takes --devices, and the fewest processes it runs on
+    assert benchmark_memory.process_range("15_fabric-vit-fsdp-cpu-offload.py") == (True, 1)
+    assert benchmark_memory.process_range("10_fabric-vit-tensor-parallel.py") == (True, 2)
+    assert benchmark_memory.process_range("11_fabric-vit-bf16-true.py") == (False, 1)
+    memory = benchmark.parse_args(["--memory", "--sequel"])
+    assert memory.memory_scripts is None and memory.sequel
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--talk"])  # only with --memory
+    with pytest.raises(SystemExit):
+        benchmark.parse_args(["--memory", "--talk", "--memory-models", "ViT-H/14"])  # no script builds it

@@ -31,7 +31,8 @@ def fake_cifar(tmp_path, monkeypatch):
 
 def loader_args(data_dir, **overrides):
     values = dict(smoke=False, synthetic=False, data_dir=str(data_dir), no_download=True,
-                  batch_size=4, num_workers=0, seed=123, world_size=1, max_steps=None)
+                  batch_size=4, num_workers=0, seed=123, world_size=1, max_steps=None,
+                  micro_batches=1)
     values.update(overrides)
     values["data_parallel"] = values["world_size"]
     return argparse.Namespace(**values)

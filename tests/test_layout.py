@@ -8,10 +8,11 @@ import pytest
 from conftest import ROOT
 
 SHARED = [ROOT / "local_utilities.py", *sorted((ROOT / "run_keeping").glob("*.py"))]
-TOOLS = [ROOT / "benchmark.py", ROOT / "plot_results.py", ROOT / "make_smoke_weights.py"]
+TOOLS = [ROOT / "benchmark.py", ROOT / "benchmark_memory.py", ROOT / "plot_results.py",
+         ROOT / "make_smoke_weights.py"]
 LESSONS = sorted(ROOT.glob("[01][0-9]_*.py"))
 DOCS = ["flags-records-exit-codes.md", "resume-save-load.md", "benchmarks.md", "smoke.md",
-        "fast-recipe.md", "tensor-parallel.md", "tests.md"]
+        "fast-recipe.md", "tensor-parallel.md", "memory.md", "tests.md"]
 
 
 def project_modules():

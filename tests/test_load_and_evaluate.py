@@ -20,6 +20,7 @@ def run_08(run, *flags):
     ("04_fabric-vit-mixed-precision.py", 0),  # one process, bf16-mixed: the same computation
     ("06_fabric-vit-mixed-fsdp.py", 4),       # FSDP2's bf16 parameters vs. autocast's casts
     ("10_fabric-vit-tensor-parallel.py", 4),  # each MLP output: two bf16 halves and their sum
+    ("13_fabric-vit-activation-checkpointing.py", 0),  # bf16-true, one process; checkpointed blocks
 ])
 def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, roundings):
     """08 evaluates the saved model whole, on one process. Where the run evaluated it sharded or
@@ -30,7 +31,7 @@ def test_08_finds_the_training_runs_test_accuracy(smoke_runs, script, roundings)
     run = smoke_runs(script)
     proc = run_08(run, "--model", run.record["model_file"])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"in bf16-mixed (saved by {script}" in proc.stdout
+    assert f"in {run.record['precision']} (saved by {script}" in proc.stdout
     accuracy = float(proc.stdout.split("Test accuracy ")[1].split("%")[0]) / 100
     may_flip = images_bf16_may_flip(run.dir / run.record["model_file"], roundings)[0] if roundings else 0
     # the printed figure has 2 decimals: 0.005 points, 0.018 of an image here

@@ -19,13 +19,13 @@ EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
 
 @pytest.mark.slow
+# 07 is 06 with a schedule: 14's (resumed from the checkpoint) and 09's stand for the schedules
 @pytest.mark.parametrize("script", ["01_pytorch-vit.py", "05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py",
-                                    "07_fabric-vit-mixed-fsdp-with-scheduler.py",
-                                    "10_fabric-vit-tensor-parallel.py"])
+                                    "10_fabric-vit-tensor-parallel.py", "14_fabric-vit-sgd-cosine.py"])
 def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path, script):
     """SIGKILL after the first epoch's checkpoint, then --resume, launched as the smoke run was
-    (05, 07: Fabric's 2 processes; 06: two torchrun nodes): the same losses, learning rates and
-    accuracies as the uninterrupted run."""
+    (05: Fabric's 2 processes; 06: two torchrun nodes): the same losses, learning rates and
+    accuracies as the uninterrupted run (14: its cosine schedule resumed where it was)."""
     results = tmp_path / "results" / "runs.jsonl"
     results.parent.mkdir()
     results.write_text(EARLIER)

@@ -1,6 +1,7 @@
 """Every numbered script's --smoke run end to end, and the lesson read from the scripts' source:
 the diff budgets, each changed line marked, the talk's settings, no hidden extras."""
 import ast
+import math
 import re
 import subprocess
 import sys
@@ -10,20 +11,27 @@ import pytest
 from conftest import ROOT, SCRIPTS, script_env
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
+BF16_TRUE = ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
+             "13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py"]
+ACCUMULATING = BF16_TRUE[1:]
 RECORD_KEYS = {"script", "kind", "init", "data_parallel_size", "tensor_parallel_size", "smoke", "synthetic", "resumed", "accelerator", "device_name", "devices",
                "num_nodes", "world_size", "precision", "strategy", "epochs", "batch_size", "seed",
                "steps", "train_time_s", "images_per_s", "peak_memory_gb", "train_loss", "lr",
                "val_acc", "test_acc", "model_file", "parameters_per_process", "torch",
+               "model", "micro_batches", "optimizer", "activation_checkpointing", "parallelize",
+               "peak_memory_gb_per_process",
                "torchvision", "lightning", "python", "timestamp"}
 BATCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Batch \d{4}/\d{4} \| Loss: \d+\.\d{4}$", re.M)
 EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val acc\.: \d+\.\d{2}%$",
                         re.M)
 # A smoke run is small: this catches one that is not (a full-size run takes hours on a CPU), with
 # room for a loaded 2-core machine (01 --smoke: 7 s alone, 61 s beside a second test suite).
-# 02 also compiles (about 40 s with a cold cache); 05-07 and 10 start 2 processes.
+# 02 also compiles (about 40 s with a cold cache); 05-07, 10 and 15 start 2 processes.
 WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 240, "05_fabric-vit-mixed-ddp.py": 240,
                 "06_fabric-vit-mixed-fsdp.py": 240, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 240,
-                "10_fabric-vit-tensor-parallel.py": 240}
+                "10_fabric-vit-tensor-parallel.py": 240, "15_fabric-vit-fsdp-cpu-offload.py": 240,
+                # 12-14 take 4 times the steps (micro-batches of 4): about 35 s alone
+                **{script: 240 for script in ACCUMULATING}}
 
 
 @pytest.mark.slow
@@ -76,6 +84,11 @@ def test_records_say_what_ran(smoke_runs):
         "06_fabric-vit-mixed-fsdp.py": ("bf16-mixed", "fsdp2-per-block", 2),
         "07_fabric-vit-mixed-fsdp-with-scheduler.py": ("bf16-mixed", "fsdp2-per-block", 2),
         "10_fabric-vit-tensor-parallel.py": ("bf16-mixed", "tensor-parallel+fsdp2", 2),
+        "11_fabric-vit-bf16-true.py": ("bf16-true", "single-device", 1),
+        "12_fabric-vit-grad-accumulation.py": ("bf16-true", "single-device", 1),
+        "13_fabric-vit-activation-checkpointing.py": ("bf16-true", "single-device", 1),
+        "14_fabric-vit-sgd-cosine.py": ("bf16-true", "single-device", 1),
+        "15_fabric-vit-fsdp-cpu-offload.py": ("bf16-mixed", "fsdp2-per-block", 2),
     }
     for script, (precision, strategy, world_size) in expected.items():
         record = smoke_runs(script).record
@@ -88,6 +101,31 @@ def test_the_schedule_multiplies_the_learning_rate_by_0_9_each_epoch(smoke_runs)
     record = smoke_runs("07_fabric-vit-mixed-fsdp-with-scheduler.py").record
     assert record["lr"] == pytest.approx([5e-5 * 0.9 ** k for k in range(record["epochs"])], rel=1e-9)
     assert smoke_runs("06_fabric-vit-mixed-fsdp.py").record["lr"] == [5e-5] * record["epochs"]
+
+
+@pytest.mark.slow
+def test_the_cosine_schedule_counts_optimizer_steps(smoke_runs):
+    """14's CosineAnnealingLR falls over the optimizer steps, one per 4 micro-batches (the
+    sequel's T_max counted batches, so its schedule had hardly begun to fall when it ended)."""
+    record = smoke_runs("14_fabric-vit-sgd-cosine.py").record
+    steps_per_epoch = record["steps"] // record["epochs"] // 4  # record["steps"]: micro-batches
+    total = record["epochs"] * steps_per_epoch
+    expected = [0.01 * (1 + math.cos(math.pi * k * steps_per_epoch / total)) / 2 for k in range(record["epochs"])]
+    assert record["lr"] == pytest.approx(expected, rel=1e-6)
+    assert record["lr"][-1] <= 0.0051  # half-way down after one of two epochs
+
+
+@pytest.mark.slow
+def test_records_name_the_memory_techniques(smoke_runs):
+    """What the memory arithmetic reads from a record: the optimizer, the micro-batches, the
+    checkpointing and the parallelize function (15's offloads)."""
+    facts = {s: {k: smoke_runs(s).record[k] for k in ("optimizer", "micro_batches",
+                                                      "activation_checkpointing", "parallelize")}
+             for s in ["04_fabric-vit-mixed-precision.py", *BF16_TRUE, "15_fabric-vit-fsdp-cpu-offload.py"]}
+    assert [f["optimizer"] for f in facts.values()] == ["Adam"] * 4 + ["SGD", "Adam"]
+    assert [f["micro_batches"] for f in facts.values()] == [1, 1, 4, 4, 4, 1]
+    assert [f["activation_checkpointing"] for f in facts.values()] == [False] * 3 + [True] * 2 + [False]
+    assert facts["15_fabric-vit-fsdp-cpu-offload.py"]["parallelize"] == "fsdp_each_encoder_block_offloaded"
 
 
 @pytest.mark.slow
@@ -116,7 +154,13 @@ CHAIN = [("00_pytorch-vit-random-init.py", "01_pytorch-vit.py", 4),
          ("04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py", 4),
          ("05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py", 3),
          ("06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py", 6),
-         ("06_fabric-vit-mixed-fsdp.py", "10_fabric-vit-tensor-parallel.py", 4)]
+         ("06_fabric-vit-mixed-fsdp.py", "10_fabric-vit-tensor-parallel.py", 4),
+         # the memory sequel's lessons (the budgets proposed with them, README's table)
+         ("04_fabric-vit-mixed-precision.py", "11_fabric-vit-bf16-true.py", 7),
+         ("11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py", 8),
+         ("12_fabric-vit-grad-accumulation.py", "13_fabric-vit-activation-checkpointing.py", 3),
+         ("13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py", 6),
+         ("06_fabric-vit-mixed-fsdp.py", "15_fabric-vit-fsdp-cpu-offload.py", 4)]
 
 
 @pytest.mark.parametrize("a, b, budget", CHAIN)
@@ -153,12 +197,31 @@ def calls(script, name):
 def test_the_talks_weights_epochs_batch_and_learning_rate(script):
     (parse_kwargs, _), = calls(script, "parse_args")
     (vit_kwargs, _), = calls(script, "build_vit")
-    (adam_kwargs, _), = calls(script, "Adam")
     random_init = script.startswith("00")
     assert parse_kwargs["epochs"] == (10 if random_init else 3)
     assert vit_kwargs["weights"] == (None if random_init else "IMAGENET1K_V1")
-    assert adam_kwargs == {"lr": 5e-5}
-    assert parse_kwargs.get("devices", 1) == (4 if script[:2] in ("05", "06", "07", "10") else 1)
+    assert parse_kwargs.get("devices", 1) == (4 if script[:2] in ("05", "06", "07", "10", "15") else 1)
+    assert parse_kwargs.get("micro_batches", 1) == (4 if script in ACCUMULATING else 1)
+    source = (ROOT / script).read_text()
+    if script.startswith("14"):  # the sequel's SGD: lr 0.01, no momentum (so no state)
+        (sgd_kwargs, _), = calls(script, "SGD")
+        assert sgd_kwargs == {"lr": 0.01} and not calls(script, "Adam")
+    elif script in BF16_TRUE:  # the talk's lr; --smoke's larger one (docs/smoke.md says why)
+        assert "torch.optim.Adam(model.parameters(), lr=5e-4 if args.smoke else 5e-5)" in source
+    else:
+        (adam_kwargs, _), = calls(script, "Adam")
+        assert adam_kwargs == {"lr": 5e-5}
+
+
+@pytest.mark.parametrize("script", ACCUMULATING)
+def test_accumulation_steps_after_the_4th_micro_batch_of_4(script):
+    """4 micro-batches make the batch: zeroed before the 1st, stepped after the 4th (the sequel
+    stepped after batch 0), each loss a quarter, gradients synced only at the step."""
+    source = (ROOT / script).read_text()
+    assert "if batch_idx % 4 == 0: optimizer.zero_grad()" in source
+    assert "with fabric.no_backward_sync(model, enabled=batch_idx % 4 != 3): fabric.backward(loss / 4)" in source
+    assert "if batch_idx % 4 == 3: optimizer.step()" in source
+    assert "optimizer.step()" not in source.replace("if batch_idx % 4 == 3: optimizer.step()", "")
 
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)
@@ -173,6 +236,9 @@ def test_the_talks_precision_line(script):
     source = (ROOT / script).read_text()
     if script.startswith("03"):
         assert "precision=" not in source
+    elif script in BF16_TRUE:
+        assert re.search(r'^        precision="bf16-true",  # instead of "bf16-mixed"', source, re.M)
+        assert "    with fabric.init_module():  # new" in source  # the model made in bfloat16
     else:
         assert re.search(r'^        precision="bf16-mixed",  # new', source, re.M)
 
@@ -215,7 +281,7 @@ def test_help_opens_with_the_scripts_own_technique(tmp_path):
         opening = " ".join(text.split("\n\n")[1].split())
         assert opening.startswith(f"{script}: "), opening
         if not script.startswith("00"):
-            assert "Changes against 0" in opening, opening
+            assert re.search(r"Changes against \d\d: ", opening), opening
         openings.append(opening)
     assert len(set(openings)) == len(SCRIPTS)
     assert " ".join(helps[-1].split("\n\n")[1].split()).startswith("09_fabric-vit-fast.py: the fast recipe")

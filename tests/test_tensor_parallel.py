@@ -30,13 +30,10 @@ def smoke_parameters():
     return total, total - split // 2
 
 
-@pytest.fixture(scope="module")
-def one_process_run(tmp_path_factory):
+@pytest.fixture
+def one_process_run(smoke_runs):
     """10 --smoke with --tensor-parallel 1 on one process: the same script without the split."""
-    cwd = tmp_path_factory.mktemp("tp1")
-    proc = run_script(TP, "--smoke", "--devices", "1", "--tensor-parallel", "1", cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return read_records(cwd / "results" / "runs.jsonl")[-1]
+    return smoke_runs(TP, "--devices", "1", "--tensor-parallel", "1").record
 
 
 @pytest.mark.slow

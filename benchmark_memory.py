@@ -1,0 +1,537 @@
+"""benchmark.py --memory: memory per process, beside the arithmetic of what a process holds.
+
+    python benchmark.py --memory             # by strategy as the model grows: 1 process, DDP,
+                                             # FSDP2, TP; ViT-B/16 and ViT-L/16 at a small size
+    python benchmark.py --memory --talk      # the talk's memory column: 01-07 and 10 as they
+                                             # are, ViT-B/16 at 224, batch 16, synthetic steps
+    python benchmark.py --memory --sequel    # the memory sequel's chain 04, 11-14 (and 15) on
+                                             # ViT-B/16 and ViT-L/16, as a staircase
+
+A CPU reports each process's peak resident memory (with glibc's thresholds fixed, below) less
+what the libraries alone hold; a GPU reports torch.cuda.max_memory_reserved, the talk's figure.
+docs/benchmarks.md has the tables as measured.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from run_keeping.errors import fail, leave
+from run_keeping.flags import VITS
+
+ROOT = Path(__file__).resolve().parent
+SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
+# --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
+# state, not the activations), and the strategies of 01/04, 05, 06 and 10 on 1 or 2 processes.
+MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
+                 "ViT-H/14": ("vit_h_14", 28)}
+MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
+    "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
+    "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
+STATE_BYTES = 16  # per parameter held: float32 weight and gradient, Adam's two moments
+DDP_BUCKET_BYTES = 4  # DDP's gradient buckets: a float32 copy of every gradient
+# glibc raises its mmap threshold after each large free, so later large buffers come from its heap
+# and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
+# Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
+# process's resident memory follows what it holds. A GPU's caching allocator keeps freed blocks
+# too, and max_memory_reserved (the talk's figure) counts them.
+EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def process_memory(cuda):
+    """(current, peak) bytes of this process: the CUDA caching allocator's reserved memory, or
+    the resident set (VmRSS, VmHWM)."""
+    if cuda:
+        return torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return (int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024)
+
+
+def reset_peak_memory(cuda):
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: writing 5 resets the peak resident set size to the current one
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def memory_run(args):
+    """In each process of one strategy: the model(s) in turn, set up, two synthetic Adam steps in
+    bf16-mixed (as 04-07 and 10), and the peak memory of the steps; rank 0 prints one line each."""
+    import gc
+    import lightning as L
+    import torch.nn.functional as F
+    import torchvision.models
+    from run_keeping.model_file import count_local_parameters
+    strategy, *models = args.memory_run
+    processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
+    accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
+        "cuda" if args.accelerator == "auto" else args.accelerator
+    fabric = L.Fabric(accelerator=accelerator, devices=processes, precision="bf16-mixed",
+                      strategy=make_strategy(record_name, processes, tensor_parallel))
+    fabric.launch()
+    cuda = fabric.device.type == "cuda"
+    libraries = process_memory(cuda)[0]  # before any model: the interpreter and its libraries
+    for name in models:
+        builder, size = MEMORY_MODELS[name]
+        with torch.device("meta"):
+            model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
+        model = model.to_empty(device="cpu")
+        with torch.no_grad():  # values do not matter for memory; filled, so every page is real
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        parameters = sum(p.numel() for p in model.parameters())
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+        gc.collect()
+        reset_peak_memory(cuda)
+        features = torch.rand(2, 3, size, size, device=fabric.device)
+        targets = torch.randint(0, 10, (2,), device=fabric.device)
+        for _ in range(2):  # the first step creates Adam's moments; the second is the steady state
+            loss = F.cross_entropy(model(features), targets)
+            optimizer.zero_grad()
+            fabric.backward(loss)
+            optimizer.step()
+        after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
+        held = torch.tensor([float(count_local_parameters(model))], device=fabric.device)
+        afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
+        fabric.print("MEMORY " + json.dumps({
+            "model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
+            "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
+            "libraries_gb": libraries / 1e9, "device": fabric.device.type}))
+        del model, optimizer, features, targets, loss
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    fabric.barrier()
+    leave(0)  # run_keeping/errors.py: why a multi-process run ends so
+
+
+def state_bytes(strategy, parameters, held):
+    """Model-state bytes one process should hold by arithmetic: 16 per parameter it holds, and
+    under DDP 4 more per parameter for the gradient buckets."""
+    return STATE_BYTES * held + (DDP_BUCKET_BYTES * parameters if strategy.startswith("DDP") else 0)
+
+
+def available_memory(cuda):
+    if cuda:
+        return torch.cuda.get_device_properties(0).total_memory
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(meminfo["MemAvailable"].split()[0]) * 1024
+
+
+def memory_report(args):
+    """--memory: each strategy in processes of its own, the models in turn; a table beside the
+    arithmetic, the chart, and the goal on ViT-L/16."""
+    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    gpus = torch.cuda.device_count() if cuda else 0
+    budget, rows, notes = available_memory(cuda), [], []
+    for strategy, (processes, _, _) in MEMORY_STRATEGIES.items():
+        if cuda and processes > gpus:
+            notes.append(f"{strategy}: skipped, it needs {processes} GPUs and this machine has {gpus}")
+            continue
+        models = []
+        for name in args.memory_models:
+            parameters, held = expected_held(name, strategy)
+            need = state_bytes(strategy, parameters, held)
+            if need * (1 if cuda else processes) > 0.8 * budget:
+                notes.append(f"{name} under {strategy}: skipped, its model state alone needs about "
+                             f"{need * (1 if cuda else processes) / 1e9:.0f} GB "
+                             f"{'per GPU' if cuda else f'for {processes} processes'}, more than "
+                             f"80% of the {budget / 1e9:.0f} GB {'per GPU' if cuda else 'free here'}")
+            else:
+                models.append(name)
+        if not models:
+            continue
+        print(f"measuring {', '.join(models)} under {strategy}", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--memory-run", strategy,
+                               *models, "--accelerator", args.accelerator], capture_output=True,
+                              text=True, env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
+        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("MEMORY ")]
+        if proc.returncode != 0 or len(found) != len(models):
+            fail(f"the memory run of {strategy} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
+        rows += found
+    device = f"{torch.cuda.get_device_name()}: torch.cuda.max_memory_reserved" if cuda else \
+        f"{os.cpu_count()}-core CPU: peak resident memory (VmHWM)"
+    lines = [f"Memory per process, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, on {device}; "
+             "two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
+             "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
+             "parameter (its gradient buckets).", "",
+             "| model | parameters | strategy | processes | parameters held per process | "
+             "model state by arithmetic GB | after the steps, less libraries GB | "
+             "peak per process GB | peak less libraries GB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        held = max(r["held"])
+        expected = state_bytes(r["strategy"], r["parameters"], held) / 1e9
+        libraries = 0 if cuda else r["libraries_gb"]  # CUDA's figures hold no libraries
+        peak, after = max(r["peak_gb"]), max(r["after_gb"]) - libraries
+        r["expected_gb"], r["peak"], r["peak_less_libraries"] = expected, peak, peak - libraries
+        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f} M | {r['strategy']} | "
+                     f"{r['processes']} | {held / 1e6:.0f} M | {expected:.2f} | {after:.2f} | "
+                     f"{peak:.2f} | {r['peak_less_libraries']:.2f} |")
+    lines += [""] + [f"- {note}" for note in notes]
+    by = {(r["model"], r["strategy"]): r["peak"] for r in rows}
+    ddp, fsdp, tp = (by.get(("ViT-L/16", s)) for s in ("DDP (05)", "FSDP2 (06)", "TP (10)"))
+    if ddp and fsdp and tp:
+        lines.append(f"- ViT-L/16 on 2 processes: FSDP2's peak is {fsdp / ddp:.2f} of DDP's (goal: "
+                     f"at most 0.6); TP's {tp / ddp:.2f}, {'between the two' if fsdp <= tp <= ddp else 'NOT between them'}.")
+    text = "\n".join(lines)
+    print(text)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(text + "\n")
+    chart = Path(args.results).parent / "memory.png"
+    memory_chart(rows, chart, device)
+    print(f"Chart written to {chart}")
+
+
+def expected_held(name, strategy):
+    """(parameters, parameters one process should hold) by arithmetic, from the model built on
+    the meta device: FSDP2 halves everything; TP halves each MLP's first Linear (weight and bias)
+    and second weight; one process and DDP hold it all."""
+    import torchvision.models
+    builder, size = MEMORY_MODELS[name]
+    with torch.device("meta"):
+        model = getattr(torchvision.models, builder)(image_size=size, num_classes=10)
+    parameters = sum(p.numel() for p in model.parameters())
+    if strategy.startswith("FSDP2"):
+        return parameters, parameters / 2
+    if strategy.startswith("TP"):
+        split = sum(layer.mlp[0].weight.numel() + layer.mlp[0].bias.numel() + layer.mlp[3].weight.numel()
+                    for layer in model.encoder.layers)
+        return parameters, parameters - split / 2
+    return parameters, parameters
+
+
+def memory_chart(rows, path, device):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot_results import save
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    strategies = list(MEMORY_STRATEGIES)
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    width = 0.8 / len(strategies)
+    for i, strategy in enumerate(strategies):
+        for j, model in enumerate(models):
+            r = next((r for r in rows if (r["model"], r["strategy"]) == (model, strategy)), None)
+            x = j + (i - (len(strategies) - 1) / 2) * width
+            if r is None:
+                ax.text(x, 0, "skipped", rotation=90, ha="center", va="bottom", fontsize=7)
+                continue
+            peak = r["peak_less_libraries"]
+            ax.bar(x, peak, width, color=f"C{i}", label=strategy if j == 0 else None)
+            ax.plot([x - width / 2, x + width / 2], [r["expected_gb"]] * 2, color="black",
+                    linewidth=2, label="model state by arithmetic" if (i, j) == (0, 0) else None)
+            ax.annotate(f"{peak:.1f}", (x, peak), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(models)))
+    ax.set_xticklabels(models)
+    ax.set_ylabel("peak memory per process, less libraries (GB)")
+    ax.set_title(f"Memory per process as the model grows ({device})", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save(fig, path)
+
+
+def make_strategy(name, devices, tensor_parallel=1):
+    """The strategy a script's record names, for `devices` processes."""
+    import lightning as L
+    from local_utilities import fsdp_each_encoder_block, tensor_parallel_mlps_then_fsdp
+    if name in ("single-device", "ddp"):
+        return {"single-device": "auto", "ddp": "ddp"}[name]
+    parallelize = tensor_parallel_mlps_then_fsdp if tensor_parallel > 1 else fsdp_each_encoder_block
+    return L.fabric.strategies.ModelParallelStrategy(parallelize, devices // tensor_parallel,
+                                                     tensor_parallel)
+
+
+# -- --memory --talk and --sequel: the numbered scripts as they are ---------------------------------
+TALK_SCRIPTS = ["01", "02", "03", "04", "05", "06", "07", "10"]
+SEQUEL_SCRIPTS = ["04", "11", "12", "13", "14", "06", "15"]  # 15 branches from 06: CPU offload
+TALK_PROCESSES = 4   # the talk's 4 GPUs, for the scripts that take --devices (05-07, 10)
+SEQUEL_PROCESSES = 2  # 06 and 15 in --sequel: enough to shard, half the time on a CPU
+TALK_STEPS = 4      # 3 untimed, 1 timed; Adam's moments exist from the first, so 2-4 are the steady state
+VIT_OF = {name: vit for vit, name in VITS.items()}  # "ViT-L/16": "vit_l_16", the scripts' --vit
+SIZE, TOKENS = 224, (224 // 16) ** 2 + 1  # the talk's images: 196 patches and the class token
+
+
+@functools.lru_cache(maxsize=None)
+def vit_shape(vit):
+    """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block),
+    counted on the meta device."""
+    import torchvision.models
+    with torch.device("meta"):
+        model = torchvision.models.get_model(vit, num_classes=10)
+    block = model.encoder.layers[0]
+    return (sum(p.numel() for p in model.parameters()), len(model.encoder.layers), model.hidden_dim,
+            model.mlp_dim, sum(p.numel() for p in block.parameters()))
+
+
+def arithmetic(record):
+    """What one process of the run this record describes should hold at its peak, term by term
+    (bytes): model state by its precision, optimizer and strategy, the activations saved for
+    backward per image times the micro-batch, and the synthetic images it holds."""
+    parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
+    held = max(record["parameters_per_process"])
+    true16 = record["precision"] == "bf16-true"
+    size = 2 if true16 else 4                    # bytes of a weight, and of its gradient
+    fsdp = record["strategy"] in ("fsdp2-per-block", "tensor-parallel+fsdp2")
+    tp = record.get("tensor_parallel_size") or 1
+    terms = {"weights": size * held, "gradients": size * held,
+             "optimizer": 2 * size * held if record["optimizer"] == "Adam" else 0}
+    if record.get("parallelize") == "fsdp_each_encoder_block_offloaded" and record["accelerator"] == "cuda":
+        terms.update(weights=0, gradients=0, optimizer=0)  # 15: in CPU memory, not the GPU's
+    if record["precision"] == "bf16-mixed" and not fsdp:
+        terms["autocast's bf16 weights"] = 2 * parameters  # cast once per forward, kept for backward
+    if record["strategy"] == "ddp":
+        terms["DDP's buckets"] = 4 * parameters           # a float32 copy of every gradient
+    if fsdp:  # the block in use and the next (prefetched), gathered in bf16, with float32 gradients
+        terms["FSDP2's gathered blocks"] = 2 * (2 + 4) * per_block // tp
+    # saved per image and block: 9 values a token of the width, 2 of the MLP's (2 bytes in bf16,
+    # 4 in float32); autocast keeps the two LayerNorms' inputs in float32 (2 bytes more each)
+    value = 4 if record["precision"] == "32-true" else 2
+    one_block = (9 * TOKENS * width + 2 * TOKENS * mlp // tp) * value \
+        + (2 * TOKENS * width * 2 if record["precision"] == "bf16-mixed" else 0)
+    per_image = blocks * TOKENS * width * value + one_block if record.get("activation_checkpointing") \
+        else blocks * one_block                  # checkpointed: each block's input, one block again
+    micro = record["batch_size"] // (record.get("micro_batches") or 1)
+    terms["activations"] = per_image * micro
+    images = (record["max_steps"] * record["batch_size"] + 2) * record["data_parallel_size"]
+    terms["synthetic images"] = images * 3 * SIZE * SIZE * 4
+    return terms
+
+
+def libraries_gb(cuda):
+    """What an interpreter holds once torch, torchvision, lightning and torchmetrics are imported
+    (0 on a GPU: max_memory_reserved counts only CUDA's allocator)."""
+    if cuda:
+        return 0.0
+    code = ("import torch, torchvision, lightning, torchmetrics\nfrom pathlib import Path\n"
+            "print(next(l for l in Path('/proc/self/status').read_text().splitlines() "
+            "if l.startswith('VmRSS')).split()[1])")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, **EXACT_MALLOC))
+    if proc.returncode != 0:
+        fail(f"could not measure the libraries' memory:\n{proc.stderr[-1000:]}")
+    return int(proc.stdout.split()[-1]) * 1024 / 1e9
+
+
+def process_range(script):
+    """(whether the script takes --devices, the fewest processes it runs on): from its source,
+    so that a new script is known as it is written (10's tensor parallelism needs 2)."""
+    source = (ROOT / script).read_text()
+    return "devices=4" in source, 2 if "tensor_parallel_mlps_then_fsdp" in source else 1
+
+
+def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES):
+    """The processes a script runs with: `wanted` (the talk's 4) where it takes --devices and
+    the machine has the GPUs or the memory, else fewer (10 needs its 2); and why, when fewer."""
+    takes, least = process_range(SCRIPTS[number])
+    if not takes:
+        return 1, None
+    source = (ROOT / SCRIPTS[number]).read_text()
+    if cuda:
+        count = min(wanted, torch.cuda.device_count())
+        why = f"this machine has {torch.cuda.device_count()} GPU(s)"
+    else:  # what n processes would hold by the arithmetic, with the libraries each imports
+        sharded = "fsdp" in source
+
+        def need(n):
+            record = dict(model=vit, precision="bf16-mixed", optimizer="Adam", batch_size=16,
+                          strategy="fsdp2-per-block" if sharded else "ddp", accelerator="cpu",
+                          parameters_per_process=[vit_shape(vit)[0] // (n if sharded else 1)],
+                          max_steps=TALK_STEPS, data_parallel_size=n, tensor_parallel_size=1)
+            return n * (libraries * 1e9 + sum(arithmetic(record).values()))
+        free = available_memory(False)
+        count = next((n for n in range(wanted, 0, -1) if need(n) < 0.85 * free), 1)
+        why = f"{wanted} would need about {need(wanted) / 1e9:.0f} GB and {free / 1e9:.0f} GB are free"
+    if count < least:
+        return None, f"{SCRIPTS[number]} skipped: it needs {least} processes and {why}"
+    return count, None if count == wanted else f"{SCRIPTS[number]}: {count} processes, not {wanted}: {why}"
+
+
+def run_for_memory(number, vit, processes, args, folder):
+    """One numbered script as it is, on synthetic images at 224, batch 16, TALK_STEPS steps; its
+    record (appended to the memory runs' file too)."""
+    script = SCRIPTS[number]
+    flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16", "--vit", vit,
+             "--results", str(folder / "runs.jsonl"), "--save-model", str(folder / "model.pt"),
+             "--checkpoint-dir", str(folder / "checkpoints"), "--accelerator", args.accelerator]
+    if process_range(script)[0]:  # 1 too, where a script's own default is 4
+        flags += ["--devices", str(processes)]
+    print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
+    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True,
+                          env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
+        fail(f"{script} failed (exit {proc.returncode}):\n{tail}")
+    record = json.loads((folder / "runs.jsonl").read_text().splitlines()[-1])
+    (folder / "model.pt").unlink(missing_ok=True)
+    with open(Path(args.results).parent / "memory-runs.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
+
+
+def talk_memory(args):
+    """--memory --talk / --sequel: each script run as it is; its peak per process less the
+    libraries beside the arithmetic, the talk's (or the sequel's) figure, images/s and speedup."""
+    from plot_results import load_reference
+    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    scripts = args.memory_scripts or (SEQUEL_SCRIPTS if args.sequel else TALK_SCRIPTS)
+    vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
+        (list(VITS) if args.sequel else ["vit_b_16"])
+    libraries, reference, notes, rows = libraries_gb(cuda), load_reference(), [], []
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    for vit in vits:
+        for number in scripts:
+            processes, note = talk_processes(number, vit, cuda, libraries,
+                                             SEQUEL_PROCESSES if args.sequel else TALK_PROCESSES)
+            notes += [note] if note else []
+            if processes is None:
+                continue
+            with tempfile.TemporaryDirectory(prefix="memory-") as folder:
+                record = run_for_memory(number, vit, processes, args, Path(folder))
+            rows.append(row_of(record, libraries, reference))
+    text = memory_tables(rows, libraries, notes, cuda, args)
+    print(text)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(text + "\n")
+    chart = Path(args.results).parent / ("memory-sequel.png" if args.sequel else "memory-talk.png")
+    staircase_chart(rows, chart, rows[0]["record"]["device_name"] if rows else "")
+    print(f"Chart written to {chart}")
+
+
+def row_of(record, libraries, reference):
+    """One run's row: its record, the arithmetic's terms and total, its peak less the libraries
+    and the published figures for its script."""
+    terms = arithmetic(record)
+    return {"number": record["script"][:2], "vit": record["model"], "record": record, "terms": terms,
+            "peak": record["peak_memory_gb"], "less": record["peak_memory_gb"] - libraries,
+            "expected": sum(terms.values()) / 1e9, "reference": reference.get(record["script"], {})}
+
+
+def memory_tables(rows, libraries, notes, cuda, args):
+    from plot_results import fmt
+    when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+    device = rows[0]["record"]["device_name"] if rows else "?"
+    figure = "torch.cuda.max_memory_reserved" if cuda else (
+        f"peak resident memory (VmHWM) with glibc's thresholds fixed, less the {libraries:.2f} GB an "
+        "interpreter holds with torch, torchvision, lightning and torchmetrics imported")
+    lines = [f"Memory per process, {when}, on {device}: each script as it is, on synthetic images at "
+             f"224x224, batch 16 per process, random init, {TALK_STEPS} steps; {figure}.", "",
+             "| script | model | processes | precision | peak GB | peak less libraries GB | "
+             "arithmetic GB | measured / arithmetic | talk GB | vs talk | sequel GB (ViT-L/16) | "
+             "images/s | speedup over 01 | talk's speedup |", "|" + "---|" * 14]
+    talk01 = {r["vit"]: r for r in rows if r["number"] == "01"}
+    from plot_results import load_reference
+    talk01_min = load_reference()["01_pytorch-vit.py"]["time_min"]
+    for r in rows:
+        rec, ref = r["record"], r["reference"]
+        base = talk01.get(r["vit"])
+        speed = rec["images_per_s"] / base["record"]["images_per_s"] if base and rec["images_per_s"] else None
+        # the talk's figure where the run is the talk's: ViT-B/16 on as many processes as it had
+        talk_gb = ref.get("memory_gb") if r["vit"] == "vit_b_16" and rec["world_size"] == ref.get("devices") else None
+        talk_speed = talk01_min / ref["time_min"] if talk_gb and ref.get("time_min") else None
+        sequel = ref.get("sequel_memory_gb") if r["vit"] == "vit_l_16" else None
+        lines.append(
+            f"| {rec['script']} | {VITS[r['vit']]} | {rec['world_size']} | {rec['precision']} | "
+            f"{r['peak']:.2f} | {r['less']:.2f} | {r['expected']:.2f} | {r['less'] / r['expected']:.2f} | "
+            f"{fmt(talk_gb, '{:.2f}')} | {fmt(talk_gb and r['less'] / talk_gb - 1, '{:+.0%}')} | "
+            f"{fmt(sequel, '{:.2f}')} | {fmt(rec['images_per_s'], '{:.1f}')} | "
+            f"{fmt(speed, '{:.2f}x')} | {fmt(talk_speed, '{:.2f}x')} |")
+    lines += ["", "The arithmetic, term by term (GB per process):", "",
+              "| script | model | " + " | ".join(TERMS) + " |", "|---|---|" + "---|" * len(TERMS)]
+    for r in rows:
+        lines.append(f"| {r['record']['script']} | {VITS[r['vit']]} | " + " | ".join(
+            fmt(r["terms"].get(t) and r["terms"][t] / 1e9, "{:.2f}") for t in TERMS) + " |")
+    lines += staircase_lines(rows) + [""]
+    talked = [(r["number"], r["less"] / r["reference"]["memory_gb"] - 1) for r in rows
+              if r["vit"] == "vit_b_16" and r["reference"].get("memory_gb")
+              and r["record"]["world_size"] == r["reference"]["devices"]]
+    sequel = [(r["number"], r["less"] / r["reference"]["sequel_memory_gb"] - 1) for r in rows
+              if r["vit"] == "vit_l_16" and r["reference"].get("sequel_memory_gb")]
+    for what, pairs, goal in (("the talk's figure", talked, 0.10), ("the sequel's figure (ViT-L/16)", sequel, 0.15)):
+        if pairs:
+            near = " ".join(n for n, d in pairs if abs(d) <= goal) or "none"
+            far = ", ".join(f"{n} ({d:+.0%})" for n, d in pairs if abs(d) > goal) or "none"
+            lines.append(f"- Within {goal:.0%} of {what}: {near}; not: {far} (docs/benchmarks.md says why).")
+    lines += [f"- {note}" for note in notes]
+    return "\n".join(lines)
+
+
+TERMS = ["weights", "gradients", "optimizer", "autocast's bf16 weights", "DDP's buckets",
+         "FSDP2's gathered blocks", "activations", "synthetic images"]
+
+
+def staircase_lines(rows):
+    """Each step of the sequel's chain against the one before it: what it saved, measured and by
+    arithmetic; and the chain's whole saving on each model."""
+    from plot_results import fmt
+    chain = {"11": "04", "12": "11", "13": "12", "14": "13", "15": "06"}  # each step's "before"
+    by = {(r["vit"], r["number"]): r for r in rows}
+    lines = []
+    for (vit, number), r in by.items():
+        before = by.get((vit, chain.get(number)))
+        if not before:
+            continue
+        if not lines:
+            lines = ["", "The chain as a staircase (peak less libraries, GB per process):", "",
+                     "| step | model | before | after | saved | saved by arithmetic | saved / arithmetic |",
+                     "|---|---|---|---|---|---|---|"]
+        saved, expected = before["less"] - r["less"], before["expected"] - r["expected"]
+        lines.append(f"| {before['number']} → {number} | {VITS[vit]} | {before['less']:.2f} | "
+                     f"{r['less']:.2f} | {saved:.2f} | {expected:.2f} | "
+                     f"{fmt(saved / expected if expected else None, '{:.2f}')} |")
+    if lines:
+        steps = [(f"{before['number']}→{r['number']} {VITS[r['vit']]}", (before["less"] - r["less"]) /
+                  (before["expected"] - r["expected"])) for (vit, _), r in by.items()
+                 if (before := by.get((vit, chain.get(r["number"])))) and before["expected"] != r["expected"]]
+        off = [(name, ratio) for name, ratio in steps if abs(ratio - 1) > 0.15]
+        far = ", ".join(f"{name} ({ratio:.2f})" for name, ratio in off) or "none"
+        lines.append(f"\n- Savings within 15% of their arithmetic: {len(steps) - len(off)} of "
+                     f"{len(steps)}; not: {far}.")
+    for vit in VITS:
+        start, end = by.get((vit, "04")), by.get((vit, "14"))
+        if start and end:
+            lines.append(f"- {VITS[vit]}: 04 to 14 holds {start['less'] / end['less']:.1f}x less "
+                         f"per process ({start['less']:.2f} GB to {end['less']:.2f} GB; goal on "
+                         f"ViT-L/16: 3x).")
+    return lines
+
+
+def staircase_chart(rows, path, device):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from plot_results import save
+    vits = list(dict.fromkeys(r["vit"] for r in rows))
+    fig, axes = plt.subplots(1, len(vits), figsize=(6 * len(vits), 4.5), dpi=100, squeeze=False)
+    for ax, vit in zip(axes[0], vits):
+        mine = [r for r in rows if r["vit"] == vit]
+        x = range(len(mine))
+        ax.bar(x, [r["less"] for r in mine], color="C0", label="measured, less libraries")
+        ax.scatter(x, [r["expected"] for r in mine], color="black", marker="_", s=400, zorder=3,
+                   label="arithmetic")
+        for key, marker, label in (("memory_gb", "o", "the talk (ViT-B/16)"),
+                                   ("sequel_memory_gb", "s", "the sequel (ViT-L/16)")):
+            want = "vit_b_16" if key == "memory_gb" else "vit_l_16"
+            points = [(i, r["reference"].get(key)) for i, r in enumerate(mine)
+                      if r["reference"].get(key) and vit == want]
+            if points:
+                ax.scatter(*zip(*points), color="C3", marker=marker, zorder=4, label=label)
+        ax.set_xticks(list(x))
+        ax.set_xticklabels([f"{r['number']}\n{r['record']['world_size']}p" for r in mine])
+        ax.set_title(VITS[vit], fontsize=10)
+        ax.set_ylabel("peak memory per process (GB)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Memory per process, batch 16 at 224x224 ({device}, "
+                 f"{datetime.now(timezone.utc):%Y-%m-%d})", fontsize=9)
+    fig.tight_layout()
+    save(fig, path)
