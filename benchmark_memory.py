@@ -34,8 +34,6 @@ MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
 MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
     "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
     "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
-STATE_BYTES = 16  # per parameter held: float32 weight and gradient, Adam's two moments
-DDP_BUCKET_BYTES = 4  # DDP's gradient buckets: a float32 copy of every gradient
 # glibc raises its mmap threshold after each large free, so later large buffers come from its heap
 # and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
 # Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
@@ -54,10 +52,8 @@ def process_memory(cuda):
 
 
 def reset_peak_memory(cuda):
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    else:  # Linux: writing 5 resets the peak resident set size to the current one
-        Path("/proc/self/clear_refs").write_text("5")
+    from run_keeping.record import forget_cpu_peak
+    torch.cuda.reset_peak_memory_stats() if cuda else forget_cpu_peak()
 
 
 def memory_run(args):
@@ -112,10 +108,23 @@ def memory_run(args):
     leave(0)  # run_keeping/errors.py: why a multi-process run ends so
 
 
+def state_terms(precision, optimizer, strategy, parameters, held):
+    """Model state one process holds, by arithmetic (bytes): its weights and gradients (4 bytes
+    each, 2 in bf16-true), Adam's two moments of the same size (SGD without momentum: none), and
+    under DDP a float32 bucket copy of every gradient."""
+    size = 2 if precision == "bf16-true" else 4
+    terms = {"weights": size * held, "gradients": size * held,
+             "optimizer": 2 * size * held if optimizer == "Adam" else 0}
+    if strategy == "ddp":
+        terms["DDP's buckets"] = 4 * parameters
+    return terms
+
+
 def state_bytes(strategy, parameters, held):
-    """Model-state bytes one process should hold by arithmetic: 16 per parameter it holds, and
-    under DDP 4 more per parameter for the gradient buckets."""
-    return STATE_BYTES * held + (DDP_BUCKET_BYTES * parameters if strategy.startswith("DDP") else 0)
+    """--memory's model state for one of MEMORY_STRATEGIES (bf16-mixed, Adam): 16 bytes per
+    parameter held, and under DDP 4 more per parameter."""
+    ddp = "ddp" if strategy.startswith("DDP") else None
+    return sum(state_terms("bf16-mixed", "Adam", ddp, parameters, held).values())
 
 
 def available_memory(cuda):
@@ -278,18 +287,13 @@ def arithmetic(record):
     backward per image times the micro-batch, and the synthetic images it holds."""
     parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
     held = max(record["parameters_per_process"])
-    true16 = record["precision"] == "bf16-true"
-    size = 2 if true16 else 4                    # bytes of a weight, and of its gradient
     fsdp = record["strategy"] in ("fsdp2-per-block", "tensor-parallel+fsdp2")
     tp = record.get("tensor_parallel_size") or 1
-    terms = {"weights": size * held, "gradients": size * held,
-             "optimizer": 2 * size * held if record["optimizer"] == "Adam" else 0}
+    terms = state_terms(record["precision"], record["optimizer"], record["strategy"], parameters, held)
     if record.get("parallelize") == "fsdp_each_encoder_block_offloaded" and record["accelerator"] == "cuda":
         terms.update(weights=0, gradients=0, optimizer=0)  # 15: in CPU memory, not the GPU's
     if record["precision"] == "bf16-mixed" and not fsdp:
         terms["autocast's bf16 weights"] = 2 * parameters  # cast once per forward, kept for backward
-    if record["strategy"] == "ddp":
-        terms["DDP's buckets"] = 4 * parameters           # a float32 copy of every gradient
     if fsdp:  # the block in use and the next (prefetched), gathered in bf16, with float32 gradients
         terms["FSDP2's gathered blocks"] = 2 * (2 + 4) * per_block // tp
     # saved per image and block: 9 values a token of the width, 2 of the MLP's (2 bytes in bf16,
@@ -334,12 +338,11 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES):
     takes, least = process_range(SCRIPTS[number])
     if not takes:
         return 1, None
-    source = (ROOT / SCRIPTS[number]).read_text()
     if cuda:
         count = min(wanted, torch.cuda.device_count())
         why = f"this machine has {torch.cuda.device_count()} GPU(s)"
     else:  # what n processes would hold by the arithmetic, with the libraries each imports
-        sharded = "fsdp" in source
+        sharded = "fsdp" in (ROOT / SCRIPTS[number]).read_text()
 
         def need(n):
             record = dict(model=vit, precision="bf16-mixed", optimizer="Adam", batch_size=16,
@@ -398,7 +401,7 @@ def talk_memory(args):
             with tempfile.TemporaryDirectory(prefix="memory-") as folder:
                 record = run_for_memory(number, vit, processes, args, Path(folder))
             rows.append(row_of(record, libraries, reference))
-    text = memory_tables(rows, libraries, notes, cuda, args)
+    text = memory_tables(rows, libraries, notes, cuda)
     print(text)
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
@@ -417,7 +420,7 @@ def row_of(record, libraries, reference):
             "expected": sum(terms.values()) / 1e9, "reference": reference.get(record["script"], {})}
 
 
-def memory_tables(rows, libraries, notes, cuda, args):
+def memory_tables(rows, libraries, notes, cuda):
     from plot_results import fmt
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     device = rows[0]["record"]["device_name"] if rows else "?"

@@ -117,6 +117,15 @@ def test_synthetic_data_has_the_runs_shape():
     assert features.shape == (2, 3, 224, 224) and len(train) == 3
     args = loader_args("unused", synthetic=True, smoke=True, max_steps=5, batch_size=4)
     assert next(iter(lu.get_dataloaders(args)[0]))[0].shape == (4, 3, 32, 32)
+    # evaluation: one image per data-parallel process (a synthetic run measures no accuracy)
+    assert len(val.dataset) == len(test.dataset) == 1
+
+
+def test_micro_batches_split_each_batch():
+    """12-14's loader: --max-steps 3 batches of 16, handed out as 12 micro-batches of 4."""
+    args = loader_args("unused", synthetic=True, smoke=True, max_steps=3, batch_size=16, micro_batches=4)
+    train = lu.get_dataloaders(args)[0]
+    assert train.batch_size == 4 and len(train) == 12
 
 
 def test_pretrained_weights_from_the_hub_cache(tmp_path, offline):

@@ -11,9 +11,9 @@ from conftest import run_script, script_env
 @pytest.fixture
 def argv(monkeypatch):
     """Call the real parse_args as if a script were run with these flags."""
-    def parse(*flags, script="01_pytorch-vit.py", epochs=3, devices=None):
+    def parse(*flags, script="01_pytorch-vit.py", epochs=3, devices=None, micro_batches=1):
         monkeypatch.setattr(sys, "argv", [script, *flags])
-        return lu.parse_args(epochs=epochs, devices=devices)
+        return lu.parse_args(epochs=epochs, devices=devices, micro_batches=micro_batches)
     return parse
 
 
@@ -201,3 +201,17 @@ def test_a_library_older_than_the_requirements_is_named(argv, capsys, monkeypatc
     assert err == [f"06_fabric-vit-mixed-fsdp.py: error: 06_fabric-vit-mixed-fsdp.py needs torch >= "
                    f"{bound} (requirements.txt says why); this is 2.5.1+cpu. pip install -r "
                    "requirements.txt brings it."]
+
+
+def test_the_memory_lessons_flags(argv, capsys):
+    """--vit builds the sequel's ViT-L/16 where a full or synthetic run would, and is refused
+    with --smoke (which trains its own small ViT); 12-14's batch must split into 4 micro-batches."""
+    assert argv("--synthetic", "--accelerator", "cpu", "--vit", "vit_l_16").vit == "vit_l_16"
+    assert argv("--smoke").vit == "vit_b_16"
+    for flags, kwargs, message in [
+            (["--smoke", "--vit", "vit_l_16"], {}, "--vit: a smoke run trains its own small ViT"),
+            (["--smoke", "--batch-size", "6"], {"micro_batches": 4}, "must divide by 4")]:
+        with pytest.raises(SystemExit) as exit_info:
+            argv(*flags, **kwargs)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert argv("--smoke", "--batch-size", "8", micro_batches=4).micro_batches == 4

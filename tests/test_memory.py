@@ -39,9 +39,10 @@ def test_each_lesson_of_the_chain_shrinks_the_term_it_names(vit):
     assert state("04") == 18 * parameters and state("11") == 8 * parameters
     # accumulation: a quarter of the batch at a time, so a quarter of the activations
     assert terms["12"]["activations"] * 4 == terms["11"]["activations"]
-    # checkpointing: each block's input and one block's worth, instead of every block's worth
+    # checkpointing: each block's input (1/17 of a block's worth: a token's width against 9 of
+    # them and 2 of the MLP's 4x) and one block again, instead of every block: 1/17 + 1/blocks
     blocks = bm.vit_shape(vit)[1]
-    assert terms["13"]["activations"] < terms["12"]["activations"] * 2 / blocks + terms["12"]["activations"] / 9
+    assert terms["13"]["activations"] <= terms["12"]["activations"] * (1 / 17 + 1 / blocks)
     # SGD without momentum: Adam's two moments (2 bytes each here) gone, nothing else
     assert terms["13"]["optimizer"] == 4 * parameters and terms["14"]["optimizer"] == 0
     assert total["13"] - total["14"] == 4 * parameters
