@@ -181,6 +181,23 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = 1
 
 
+# The longest tests first, in this order (about 2 minutes down to 30 s on 2 cores), then the
+# smoke runs other tests read, then the other slow tests, then the quick ones: pytest.ini hands
+# out one test at a time to whichever worker is free, so the workers finish together instead of
+# one running a long test alone at the end.
+LONGEST = ("test_each_lesson_saves_what_its_arithmetic_says", "test_the_gpu_path_runs_on_a_cpu",
+           "test_smoke_run_learns_and_records[02", "test_the_fast_recipe_beats_04_on_the_demo",
+           "test_gpu_check_at_smoke_size", "test_killed_then_resumed_equals_uninterrupted",
+           "test_cifar10_downloaded_once", "test_smoke_run_learns_and_records")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        first = [i for i, name in enumerate(LONGEST) if item.name.startswith(name)]
+        return first[0] if first else len(LONGEST) + (item.get_closest_marker("slow") is None)
+    items.sort(key=rank)
+
+
 @pytest.fixture(autouse=True)
 def run_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own empty folder: nothing lands in the checkout, and nothing lying
@@ -238,48 +255,62 @@ def locked(path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """once_per_run(name, make): make(folder)'s result (a dict), made once per test run however
+    many tests and workers ask for it: the first makes it in `folder`, the others wait for it and
+    read it. If make fails, every test that asks fails with its message, and it is not made twice."""
+    shared = shared_folder(tmp_path_factory) / "once-per-run"
+    shared.mkdir(exist_ok=True)
+
+    def get(name, make):
+        folder, saved = shared / name, shared / name / "result.json"
+        with locked(shared / f"{name}.lock"):
+            if not saved.exists():
+                folder.mkdir(parents=True, exist_ok=True)
+                try:
+                    result = make(folder)
+                except (AssertionError, pytest.fail.Exception) as err:  # said once, kept
+                    result = {"failure": str(err)}
+                saved.write_text(json.dumps(result))
+        result = json.loads(saved.read_text())
+        if result.get("failure"):
+            pytest.fail(result["failure"], pytrace=False)
+        return result
+    return get
+
+
 class SmokeRun:
     """A finished --smoke run: .out (the first process's output), .outputs, .wall_s, .record
     (its run record) and .dir (where it ran)."""
 
-    def __init__(self, folder):
-        saved = json.loads((folder / "result.json").read_text())
-        self.dir, self.outputs, self.wall_s = folder / "run", saved["outputs"], saved["wall_s"]
-        self.failure, self.out, self.record = saved["failure"], saved["outputs"][0], saved["record"]
+    def __init__(self, saved):
+        self.dir, self.outputs, self.wall_s = Path(saved["dir"]), saved["outputs"], saved["wall_s"]
+        self.out, self.record = saved["outputs"][0], saved["record"]
+
+
+def smoke_run(folder, script, flags):
+    """Run `script --smoke *flags` in folder/run; what SmokeRun reads. A run that failed, hung or
+    wrote no record fails, with its output."""
+    began, run = time.monotonic(), folder / "run"
+    run.mkdir()
+    procs = start(script, "--smoke", *flags, cwd=run)
+    outputs = finish(procs)
+    check_ok(procs, outputs, f"{script} --smoke {' '.join(flags)}")
+    records = run / "results" / "runs.jsonl"
+    if not records.exists():
+        pytest.fail(f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}", pytrace=False)
+    # the run's own record, read before a test runs 08 beside it
+    return {"dir": str(run), "outputs": outputs, "wall_s": time.monotonic() - began,
+            "record": read_records(records)[-1]}
 
 
 @pytest.fixture(scope="session")
-def smoke_runs(tmp_path_factory):
-    """smoke_runs(script, *flags): the script's --smoke run, once per test run however many
-    tests and workers ask for it (the first runs it, the others wait for it and read it). A
-    run that failed or hung fails every test that asks for it, with its output."""
-    shared = shared_folder(tmp_path_factory) / "smoke-runs"
-    shared.mkdir(exist_ok=True)
-
+def smoke_runs(once_per_run):
+    """smoke_runs(script, *flags): the script's --smoke run (a SmokeRun), once per test run."""
     def get(script, *flags):
-        folder = shared / "-".join([Path(script).stem, *(f.strip("-") for f in flags)])
-        with locked(shared / f"{folder.name}.lock"):
-            if not (folder / "result.json").exists():
-                (folder / "run").mkdir(parents=True, exist_ok=True)
-                began, outputs, failure, record = time.monotonic(), [""], None, None
-                records = folder / "run" / "results" / "runs.jsonl"
-                procs = start(script, "--smoke", *flags, cwd=folder / "run")
-                try:
-                    outputs = finish(procs)
-                    check_ok(procs, outputs, f"{script} --smoke {' '.join(flags)}")
-                    if not records.exists():
-                        failure = f"{script} --smoke wrote no record:\n{outputs[0][-3000:]}"
-                except pytest.fail.Exception as err:  # failed or hung: said once, kept
-                    failure = str(err)
-                if records.exists():  # the run's own, before a test runs 08 beside it
-                    record = read_records(records)[-1]
-                (folder / "result.json").write_text(json.dumps(
-                    {"outputs": outputs, "wall_s": time.monotonic() - began, "failure": failure,
-                     "record": record}))
-        run = SmokeRun(folder)
-        if run.failure:
-            pytest.fail(run.failure, pytrace=False)
-        return run
+        name = "-".join([Path(script).stem, *(f.strip("-") for f in flags)])
+        return SmokeRun(once_per_run(name, lambda folder: smoke_run(folder, script, flags)))
     return get
 
 

@@ -111,12 +111,7 @@ def test_the_activation_term_is_what_autograd_saves():
 MEASURED = ["04", "11", "13", "14"]
 
 
-@pytest.fixture(scope="module")
-def chain_at_batch_4(tmp_path_factory):
-    """04, 11, 13 and 14 as they are, on ViT-B/16 at 224 with synthetic images, batch 4 (13-14:
-    4 micro-batches of 1), 4 steps, with glibc's thresholds fixed as benchmark_memory's; their
-    records and what the libraries alone hold."""
-    cwd = tmp_path_factory.mktemp("chain")
+def run_the_chain(cwd):
     env = script_env(cwd, **bm.EXACT_MALLOC)
     records = {}
     for number in MEASURED:
@@ -126,7 +121,16 @@ def chain_at_batch_4(tmp_path_factory):
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records[number] = read_records(cwd / "results" / "runs.jsonl")[-1]
-    return records, bm.libraries_gb(False)
+    return {"records": records, "libraries": bm.libraries_gb(False)}
+
+
+@pytest.fixture
+def chain_at_batch_4(once_per_run):
+    """04, 11, 13 and 14 as they are, on ViT-B/16 at 224 with synthetic images, batch 4 (13-14:
+    4 micro-batches of 1), 4 steps, with glibc's thresholds fixed as benchmark_memory's; their
+    records and what the libraries alone hold. Run once for the tests that read it."""
+    chain = once_per_run("memory-chain-at-batch-4", run_the_chain)
+    return chain["records"], chain["libraries"]
 
 
 # What the arithmetic leaves out, and so what a measured saving may differ from its arithmetic
