@@ -17,11 +17,18 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.files import read_records  # noqa: E402  (the tests read records as the tools do)
-# Lightning gives its loggers a handler on sys.stderr when first imported: imported here, before
-# any test captures stderr, so a handler never writes to a test's closed capture
-import lightning  # noqa: E402, F401
-import torch  # noqa: E402
-torch.set_num_threads(1)  # the tests that compute in pytest's own process, too (script_env)
+
+
+def pytest_configure(config):
+    """Where tests run (each xdist worker, or pytest's own process with -n 0), not in the xdist
+    controller, which runs none and would only wait 5 s for the imports: Lightning gives its
+    loggers a handler on sys.stderr when first imported, so it is imported before any test
+    captures stderr (a handler never writes to a test's closed capture); and the tests that
+    compute in pytest's process use one CPU thread, as script_env gives the scripts."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        import lightning  # noqa: F401
+        import torch
+        torch.set_num_threads(1)
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
            "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
