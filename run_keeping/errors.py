@@ -5,10 +5,19 @@ or machine (a flag, missing data or weights, an unusable file, a library too old
 of the run was lost (a machine died or was killed: continue with --resume); 130 Ctrl-C;
 143 SIGTERM.
 """
+import atexit
+import gc
 import os
 import re
 import sys
 from pathlib import Path
+
+# At exit the interpreter's last garbage collection walks every object torch, torchvision and
+# Lightning made, to free memory the OS takes back anyway: 1.5 s at the end of each run on a
+# 2-core CPU. Frozen, those objects are skipped. Python never promised finalisers at exit, and
+# nothing here needs one: files are written whole and closed, and child processes are stopped
+# by their own exit handlers, which still run.
+atexit.register(gc.freeze)
 
 
 def fail(message, code=2):
