@@ -339,3 +339,24 @@ def test_the_shared_fixture_fails_on_a_hang_with_the_output():
         finish([hung], timeout=3)
     assert "timed out after 3 s" in str(failure.value) and "started" in str(failure.value)
     assert hung.poll() is not None  # killed, not left running
+
+
+def test_a_shared_run_is_made_once_and_its_failure_kept(once_per_run, tmp_path):
+    """conftest.once_per_run: a result is made once and read back; a make that fails fails every
+    test that asks, with its message, and is not made again."""
+    made = []
+
+    def broken(folder):
+        made.append(folder)
+        pytest.fail("broken on purpose", pytrace=False)
+    for _ in range(2):
+        with pytest.raises(pytest.fail.Exception) as failure:
+            once_per_run(f"broken-{tmp_path.name}", broken)
+        assert "broken on purpose" in str(failure.value)
+    assert len(made) == 1
+
+    def fine(folder):
+        made.append(folder)
+        return {"made": len(made)}
+    assert [once_per_run(f"fine-{tmp_path.name}", fine) for _ in range(2)] == [{"made": 2}] * 2
+    assert len(made) == 2
