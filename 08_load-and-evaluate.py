@@ -1,9 +1,9 @@
-"""08, saving and loading: every finished training run (00-07, 09, 10) saves its finetuned model as
-one file, a plain state dict of torchvision's VisionTransformer. This loads it into a fresh ViT-B/16 with
+"""08, saving and loading: every finished training run saves its finetuned model as one file, a
+plain state dict of torchvision's VisionTransformer. This loads it into a fresh ViT-B/16 with
 Fabric on one device, evaluates it on the CIFAR-10 test set (the training run's "Test accuracy"
-line, again), and with --predict names the class of your own images.
+line, again), and with --predict names the class of your own images, with its probability.
 
-    python 08_load-and-evaluate.py                    # the newest model in models/
+    python 08_load-and-evaluate.py                    # the newest whole run's model in models/
     python 08_load-and-evaluate.py --model models/04_fabric-vit-mixed-precision.pt
     python 08_load-and-evaluate.py --predict cat.png truck.jpg
     python 08_load-and-evaluate.py --smoke            # the newest --smoke model, on the digits
@@ -12,34 +12,44 @@ The file needs no Lightning to load:
     model = torchvision.models.vit_b_16(); model.heads.head = torch.nn.Linear(768, 10)
     model.load_state_dict(torch.load("models/04_fabric-vit-mixed-precision.pt"))
 """
-import argparse
 import glob
 import os
+import re
 
+from run_keeping.errors import fail  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.files import record_of
+from run_keeping.commands import Parser, check_path, whole_number
+from run_keeping.flags import MOST_WORKERS
 import lightning as L
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
 from local_utilities import as_smoke_digit, build_vit, evaluate, get_dataloaders, talk_transforms
-from run_keeping.errors import fail
-from run_keeping.files import record_of
 from run_keeping.model_file import load_model_file
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the runs record
+NOISE_IMAGES = 32  # random pictures: the model's answer is no surer than its surest on these? it cannot tell
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", metavar="PATH", help="a model file (default: the newest in models/)")
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", metavar="PATH", help="a model file (default: the newest in models/ "
+                        "of a whole run: one cut short by --max-steps is passed over)")
     parser.add_argument("--predict", nargs="+", metavar="IMAGE", help="PNG or JPEG files, any "
                         "size; with --smoke, one digit each, read as scikit-learn's digits look "
-                        "(light on dark, centred, filling the frame; a light background is inverted)")
+                        "(light on dark, centred, filling the frame; a light background is inverted). "
+                        "Each answer comes with its probability; one no surer than the model is of "
+                        f"{NOISE_IMAGES} pictures of random noise says it cannot tell")
     parser.add_argument("--smoke", action="store_true", help="a --smoke run's model, on the digits")
     parser.add_argument("--data-dir", default="data", metavar="DIR", help="where CIFAR-10 is, or goes")
     parser.add_argument("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
-    parser.add_argument("--num-workers", type=int, default=4, metavar="N", help="data loader processes")
+    parser.add_argument("--num-workers", type=whole_number(0, MOST_WORKERS), default=4, metavar="N",
+                        help="data loader processes")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--precision", help="default: the training run's, from --results; else 32-true")
+    parser.add_argument("--precision", choices=PRECISIONS,
+                        help="default: the training run's, from --results; else 32-true")
     parser.add_argument("--results", default="results/runs.jsonl", metavar="FILE", help="run records")
     args = parser.parse_args()
     for path in args.predict or []:  # the images first: a typo should not wait for the model
@@ -48,21 +58,70 @@ def parse_args():
                 image.verify()
         except (OSError, UnidentifiedImageError) as err:
             fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
-    if args.model is None:
-        found = glob.glob("models/*.pt")
-        smoke = [m for m in found if m.endswith("-smoke.pt")]
-        full = [m for m in found if not m.endswith(("-smoke.pt", "-synthetic.pt"))]
-        models = smoke if args.smoke else full
-        if not models:
-            also = (f" Only --smoke models are there ({', '.join(sorted(smoke))}): add --smoke to "
-                    "use the newest." if smoke and not args.smoke else "")
-            fail(f"no {'--smoke ' if args.smoke else ''}model in models/ (training runs save one "
-                 f"when they finish): give --model PATH.{also}")
-        args.model = max(models, key=os.path.getmtime)
+    if args.model and not os.path.isfile(args.model):
+        fail(f"--model {args.model}: " + ("it is a folder, not a model file" if os.path.isdir(args.model)
+                                          else "no such file (a finished training run writes one: see its --save-model)"))
+    if os.path.isdir(args.results) or not os.path.isdir(os.path.dirname(os.path.abspath(args.results))) \
+            and os.path.exists(os.path.dirname(os.path.abspath(args.results))):
+        fail(f"--results {args.results} cannot be read: it is a folder, or under a file, not a file of run records")
+    if not args.predict and not args.smoke:
+        if os.path.exists(args.data_dir) and not os.path.isdir(args.data_dir):
+            fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in")
+        if not args.no_download:
+            check_path("--data-dir", args.data_dir, folder=True)
+    args.model = args.model or newest_model(args)
     # the settings get_dataloaders needs, for the test set only
     args.synthetic, args.max_steps, args.seed = False, None, 123
     args.batch_size, args.micro_batches, args.data_parallel = 16, 1, 1
     return args
+
+
+def newest_model(args):
+    """The newest model file in models/ of the asked kind (--smoke or full) from a whole run: a
+    run cut short by --max-steps (by its record, or its name) is a debugging run, not a result."""
+    kinds, cut_short = {}, []
+    for path in glob.glob("models/*.pt"):
+        record = record_of(path, args.results)
+        kind = record["kind"] if record else (re.findall(r"-(smoke-synthetic|smoke|synthetic)(?=-|$)",
+                                                         os.path.basename(path)[:-3]) or ["full"])[0]
+        whole = record.get("whole", True) if record else "-max-steps" not in os.path.basename(path)
+        (kinds.setdefault(kind, []) if whole else cut_short).append(path)
+    models = kinds.get("smoke" if args.smoke else "full", [])
+    if not models:
+        also = (f" Only --smoke models are there ({', '.join(sorted(kinds['smoke']))}): add --smoke "
+                "to use the newest." if kinds.get("smoke") and not args.smoke else "")
+        passed = f" Passed over, as cut short by --max-steps: {', '.join(sorted(cut_short))}." if cut_short else ""
+        fail(f"no {'--smoke ' if args.smoke else ''}model of a whole run in models/ (training runs save "
+             f"one when they finish): give --model PATH.{also}{passed}")
+    return max(models, key=os.path.getmtime)
+
+
+def prepare(picture, smoke):
+    """A PIL picture as the model reads it, and whether its light background was inverted."""
+    return as_smoke_digit(picture) if smoke else (talk_transforms()(picture.convert("RGB")), False)
+
+
+def probabilities(model, image, device):
+    with torch.no_grad():
+        return torch.softmax(model(image.unsqueeze(0).to(device)).float(), 1)[0].cpu()
+
+
+def noise_level(model, smoke, device):
+    """The highest probability the model gives any class of pictures of random noise, prepared as
+    yours are: an answer no surer than that, it cannot tell from a picture of nothing."""
+    rng = np.random.RandomState(0)
+    return max(float(probabilities(model, prepare(Image.fromarray(rng.randint(0, 256, (64, 64, 3), dtype=np.uint8)),
+                                                  smoke)[0], device).max()) for _ in range(NOISE_IMAGES))
+
+
+def answer(probs, classes, blank, noise):
+    """What the model reads in one image, with its probability, or that it cannot tell."""
+    if blank:
+        return "no digit: the image is blank"
+    p, label = probs.max(0)
+    if p <= noise:
+        return f"cannot tell: its best guess, {classes[label]}, has {p:.0%}, no more than random noise gets (up to {noise:.0%})"
+    return f"{classes[label]} ({p:.0%})"
 
 
 if __name__ == "__main__":
@@ -92,15 +151,16 @@ if __name__ == "__main__":
                   "inverted); a digit that does not fill its frame is cropped to its ink, padded to "
                   "a square and reduced to 8x8 grey levels")
         model.eval()
+        noise = noise_level(model, args.smoke, fabric.device)
         for path in args.predict:
             try:
                 with Image.open(path) as picture:
-                    image, inverted = as_smoke_digit(picture) if args.smoke else (talk_transforms()(picture.convert("RGB")), False)
+                    image, inverted = prepare(picture, args.smoke)
             except (OSError, UnidentifiedImageError) as err:
                 fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
-            with torch.no_grad():
-                label = torch.argmax(model(image.unsqueeze(0).to(fabric.device)), 1).item()
-            print(f"{path}: {classes[label]}" + (" (light background, inverted)" if inverted else ""))
+            blank = float(image.max() - image.min()) < 1e-6  # one colour: nothing drawn
+            print(f"{path}: {answer(probabilities(model, image, fabric.device), classes, blank, noise)}"
+                  + (" (light background, inverted)" if inverted and not blank else ""))
     else:
         #########################################
         ### 2 Evaluation on the test set

@@ -12,6 +12,7 @@ Measured: --smoke only, on the CPU (docs/fast-recipe.md); no GPU figure yet.
 import math
 import time
 
+from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,6 @@ from watermark import watermark
 from local_utilities import (NUM_CLASSES, SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit,
                              cifar10_datasets, digits_datasets, evaluate, parse_args,
                              resize_on_device)
-from run_keeping import RunKeeper
 
 WARMUP_FRACTION = 0.05
 # The peak learning rate at the talk's batch of 16, scaled by the square root of the batch: the
@@ -63,6 +63,7 @@ class DeviceData:
     def __init__(self, split, fabric, batch_size, size, train, seed):
         self.images, self.labels = (t.to(fabric.device) for t in split)
         self.fabric, self.batch_size, self.size, self.train, self.seed = fabric, batch_size, size, train, seed
+        self.skip = 0  # the next epoch's batches done before a stop mid-epoch (--resume)
         share = len(self.labels) // fabric.world_size if train else None
         self.num_batches = share // batch_size if train else math.ceil(
             len(range(fabric.global_rank, len(self.labels), fabric.world_size)) / batch_size)
@@ -76,12 +77,16 @@ class DeviceData:
         else:
             order = torch.arange(len(self.labels))
         mine = order[self.fabric.global_rank::self.fabric.world_size].to(self.images.device)
-        for i in range(self.num_batches):
+        start, self.skip = self.skip, 0
+        for i in range(start, self.num_batches):
             index = mine[i * self.batch_size:(i + 1) * self.batch_size]
             yield resize_on_device(self.images[index], self.size), self.labels[index]
 
     def __iter__(self):  # evaluation
         return self.epoch(0)
+
+    def skip_first(self, batches):  # run_keeping: continued mid-epoch, these are done
+        self.skip = batches
 
 
 def warmup_then_cosine(total_steps):

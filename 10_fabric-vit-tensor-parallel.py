@@ -11,6 +11,7 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
+from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L  # new
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,6 @@ from watermark import watermark
 
 from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
 from local_utilities import tensor_parallel_mlps_then_fsdp  # instead of fsdp_each_encoder_block: each MLP split across processes, then FSDP2
-from run_keeping import RunKeeper
 
 
 def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # instead of (..., keeper)

@@ -11,6 +11,7 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
+from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L  # new
 import torch
 import torch.nn.functional as F
@@ -20,7 +21,6 @@ from torchvision.models.vision_transformer import EncoderBlock  # new
 from watermark import watermark
 
 from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
-from run_keeping import RunKeeper
 
 
 def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # instead of (..., keeper)

@@ -1,39 +1,42 @@
 """What each technique buys, without the data set: runs the numbered scripts on synthetic data
-(--synthetic), one after another, beside a bare loop of the same model, precision, strategy and
-batch, and prints images/s, the speedup over 01, the ratio to the bare loop, peak memory and
-model FLOP utilisation (MFU), then the rate of the talk's CIFAR-10 input pipeline.
+(--synthetic), each beside a bare loop of the same maths, several times, interleaved, and prints
+images/s, the speedup over 01, the ratio to the bare loop, each with its spread over the repeats,
+peak memory and model FLOP utilisation (MFU); then the rate of the talk's CIFAR-10 input
+pipeline; then, in plain words, what this machine showed and what it cannot say.
 
     python benchmark.py --smoke                              # small ViT, CPU
     python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
-    python benchmark.py --smoke --scripts 01 03 --repeat 5   # median of alternating runs
+    python benchmark.py --smoke --scripts 01 03 --repeat 5   # measure longer: 5 rounds
     python benchmark.py --peaks                              # the peak FLOP/s table used for MFU
     python benchmark.py --memory     # memory per process as the model grows: 1 process, DDP,
                                      # FSDP2, TP; ViT-B/16 and ViT-L/16 (docs/benchmarks.md)
 
 Speedup, here and in plot_results.py, is training throughput over 01's: images/s divided by 01's
-images/s at the same batch. "vs bare" is the script's images/s divided by the bare loop's, which
-has nothing in its loop but forward, loss, zero_grad, backward and step on one batch held on the
-device: what the harness and the data loader cost. Each script run appends its record
-(synthetic: true) to --results, so `python plot_results.py --synthetic` charts them.
+images/s at the same batch on as many processes, in the same round. "vs bare" is the script's
+images/s divided by its bare loop's, which has nothing in its loop but forward, loss,
+zero_grad, backward and step on one batch held on the device, in the script's precision,
+strategy, micro-batches, activation checkpointing, optimizer and offload: what the harness and
+the data loader cost. Each script run appends its record (synthetic: true) to --results, so
+`python plot_results.py --synthetic` charts them.
 """
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from run_keeping.errors import fail, leave  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.commands import Parser, check_path, whole_number
 import torch
 import torch.utils.data as torch_data
 
 from benchmark_memory import (MEMORY_MODELS, SCRIPTS, VIT_OF, make_strategy, memory_report, memory_run,
                               process_range, talk_memory)
 from plot_results import fmt
-from run_keeping.errors import fail, leave
-from run_keeping.files import remove_empty_folders
 from run_keeping.timing import WARMUP_STEPS
 
 ROOT = Path(__file__).resolve().parent
@@ -51,50 +54,64 @@ PEAKS = [  # (name contains, {"fp32", "tf32", "bf16"} TFLOP/s)
     ("H100", {"fp32": 67.0, "tf32": 494.5, "bf16": 989.5}),
     ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0}),
 ]
-UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "16-mixed": "bf16"}  # fp16 = bf16 on these
+# The tensor-core unit each precision Fabric takes computes on (fp16 runs at bf16's rate on these
+# GPUs); 64-true has no entry in the data sheets' tables, so no MFU.
+UNIT = {"32-true": "fp32", "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "bf16",
+        "16-true": "bf16", "64-true": None}
+DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
+          "16-mixed": torch.float16, "16-true": torch.float16, "64-true": torch.float64}
+REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
+STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
+BUSY = 0.10       # bare loops of one configuration further apart than this: a busy machine
+TIE = 0.05        # two configurations closer than this are not told apart in the ranking
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
     parser.add_argument("--scripts", nargs="+", default=None, metavar="NN[@B]",
                         help="scripts by number, @B for another batch (default: every one that "
-                        "trains but 00, which is 01 from random init; --memory --talk: 01-07 and "
-                        "10; --sequel: 04 and 11-15)")
-    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        "trains but 00, which is 01 from random init; --smoke: 01 02 03 04 09 and "
+                        "11-14, the one-process lessons; --memory --talk: 01-07 and 10; --sequel: "
+                        "04 and 11-15)")
+    parser.add_argument("--batch-size", type=whole_number(1), default=None, metavar="N",
                         help="per process, where NN@B does not say (default 16; 09: 128)")
-    parser.add_argument("--max-steps", type=int, default=30, metavar="N",
-                        help="training steps per run, the first 3 untimed (default 30)")
-    parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="run the scripts N times, alternating, and report the median")
-    parser.add_argument("--devices", type=int, default=1, metavar="N",
+    parser.add_argument("--max-steps", type=whole_number(WARMUP_STEPS + 1), default=None, metavar="N",
+                        help=f"training steps per run, the first {WARMUP_STEPS} untimed (default "
+                        f"{STEPS['full']}; --smoke: {STEPS['smoke']}, whose steps take milliseconds)")
+    parser.add_argument("--repeat", type=whole_number(1, 100), default=REPEAT, metavar="N",
+                        help=f"rounds of every configuration, interleaved (default {REPEAT}): the "
+                        "median and its spread")
+    parser.add_argument("--devices", type=whole_number(1, 64), default=1, metavar="N",
                         help="processes for 05-07 (default 1: DDP and FSDP2 still run) and 10 "
                              "(at least its 2 tensor-parallel processes)")
     parser.add_argument("--accelerator", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--results", default="results/benchmark.jsonl", metavar="FILE",
                         help="where the scripts append their records")
+    parser.add_argument("--keep-models", action="store_true", help="keep each run's model file "
+                        "(models/benchmark/; by default they are deleted: ViT-B/16's are 0.3 GB each)")
     parser.add_argument("--report", metavar="FILE", help="also write the report as Markdown")
     parser.add_argument("--peak-tflops", nargs="+", default=[], metavar="PRECISION=T",
                         help="the device's peak TFLOP/s per precision for MFU, e.g. "
                              "32-true=67 bf16-mixed=989 (default: the table, see --peaks)")
     parser.add_argument("--peaks", action="store_true", help="print the peak table and exit")
     parser.add_argument("--no-bare", action="store_true", help="skip the bare-loop rows")
-    parser.add_argument("--loader-images", type=int, default=2000, metavar="N",
+    parser.add_argument("--loader-images", type=whole_number(0), default=2000, metavar="N",
                         help="images for the input-pipeline rate (0 skips it; default 2000)")
-    parser.add_argument("--loader-workers", nargs="+", type=int, default=[0, 1, 2, 4],
+    parser.add_argument("--loader-workers", nargs="+", type=whole_number(0, 64), default=[0, 1, 2, 4],
                         metavar="N", help="worker counts to time the loader with (default 0 1 2 4)")
     parser.add_argument("--memory", action="store_true", help="memory per process by model "
                         "and strategy (synthetic steps), beside the arithmetic; a chart too")
     parser.add_argument("--memory-models", nargs="+", default=None,
                         choices=list(MEMORY_MODELS), metavar="MODEL",
-                        help="for --memory (default: ViT-B/16 ViT-L/16, 1 min 52 s on a 2-core "
-                             "AMD EPYC, 2026-12-01; ViT-H/14 took 2 min 3 s more; --talk: "
-                             "ViT-B/16; --sequel: ViT-B/16 ViT-L/16)")
+                        help="for --memory (default: ViT-B/16 ViT-L/16; ViT-H/14 adds the "
+                        f"largest; one of {', '.join(MEMORY_MODELS)}; --talk: ViT-B/16; --sequel: "
+                        "ViT-B/16 ViT-L/16)")
     parser.add_argument("--talk", action="store_true", help="with --memory: the talk's memory "
                         "column, each script as it is at 224x224, batch 16 (docs/benchmarks.md)")
     parser.add_argument("--sequel", action="store_true", help="with --memory: the memory "
                         "sequel's chain, 04 and 11-15, on ViT-B/16 and ViT-L/16")
-    parser.add_argument("--bare-loop", nargs=6, help=argparse.SUPPRESS)  # internal: one bare run
+    parser.add_argument("--bare-loop", help=argparse.SUPPRESS)  # internal: one bare run (JSON)
     parser.add_argument("--memory-run", nargs="+", help=argparse.SUPPRESS)  # internal
     args = parser.parse_args(argv)
     if (args.talk or args.sequel) and not args.memory:
@@ -107,41 +124,44 @@ def parse_args(argv=None):
         if any(spec not in SCRIPTS for spec in args.scripts or []):
             parser.error(f"--memory --talk runs scripts by number at batch 16; known: {' '.join(SCRIPTS)}")
     args.memory_scripts = args.scripts if args.talk or args.sequel else None
-    args.scripts = args.scripts or [n for n in SCRIPTS if n != "00"]
+    one_process = [n for n in SCRIPTS if n != "00" and not process_range(SCRIPTS[n])[0]]
+    args.scripts = args.scripts or (one_process if args.smoke else [n for n in SCRIPTS if n != "00"])
+    args.max_steps = args.max_steps or STEPS["smoke" if args.smoke else "full"]
     args.runs = []
     for spec in args.scripts:
         number, _, batch = spec.partition("@")
-        if number not in SCRIPTS or (batch and not batch.isdigit()):
+        if number not in SCRIPTS or (batch and not batch.isdigit()) or batch == "0":
             parser.error(f"unknown script {spec}; known: {' '.join(SCRIPTS)} (NN or NN@BATCH)")
         default = 128 if number == "09" else 16  # 09's recipe is batch 128
         args.runs.append((SCRIPTS[number], int(batch) if batch else args.batch_size or default))
-    for name in ("max_steps", "repeat", "devices"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.max_steps <= WARMUP_STEPS:
-        parser.error("--max-steps must be more than the 3 untimed warm-up steps")
     try:
         args.peak_tflops = {k: float(v) for k, v in (p.split("=", 1) for p in args.peak_tflops)}
     except ValueError:
         parser.error("--peak-tflops takes PRECISION=TFLOPS, e.g. 32-true=67 bf16-mixed=989")
-    if args.loader_images < 0 or any(w < 0 for w in args.loader_workers):
-        parser.error("--loader-images and --loader-workers must be 0 or more")
+    unknown = sorted(set(args.peak_tflops) - set(UNIT))
+    if unknown:
+        parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(UNIT)}")
+    for flag in ("results", "report"):
+        if getattr(args, flag):
+            check_path(f"--{flag}", getattr(args, flag))
     return args
 
 
 def peak_tflops(device_name, precision, given=None):
     """Dense peak TFLOP/s of one device for a precision: --peak-tflops, else the table above,
-    else Lightning's table (other GPUs); None where nobody knows (CPUs)."""
+    else Lightning's table (other GPUs, where this process sees one); None where nobody knows
+    (CPUs, 64-true)."""
     if given and precision in given:
         return given[precision]
+    if UNIT.get(precision) is None:
+        return None
     for part, peaks in PEAKS:
         if part.lower() in device_name.lower():
             return peaks[UNIT[precision]]
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or torch.cuda.get_device_name() != device_name:
         return None
     from lightning.fabric.utilities.throughput import get_available_flops
-    dtype = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16}.get(precision, torch.float16)
-    flops = get_available_flops(torch.device("cuda"), dtype)
+    flops = get_available_flops(torch.device("cuda"), DTYPES[precision])
     return flops / 1e12 if flops else None
 
 
@@ -162,19 +182,19 @@ def common_flags(args):
     return ["--accelerator", args.accelerator] + (["--smoke"] if args.smoke else [])
 
 
-def run_script(script, batch, args):
+def run_script(script, batch, args, scratch):
+    """One script on synthetic data; its record. Its model file goes to a scratch folder (or
+    models/benchmark/ with --keep-models), its checkpoints too."""
+    models = Path("models/benchmark") if args.keep_models else scratch
     flags = ["--synthetic", "--max-steps", str(args.max_steps), "--batch-size", str(batch),
-             "--results", args.results, "--save-model", str(Path(args.results).parent /
-             "benchmark-models" / f"{script[:-3]}.pt"), "--checkpoint-dir",
-             str(Path(args.results).parent / "benchmark-checkpoints" / script[:-3]),
-             *common_flags(args)]
+             "--results", args.results, "--save-model", str(models / f"{script[:-3]}.pt"),
+             "--checkpoint-dir", str(scratch / "checkpoints" / script[:-3]), *common_flags(args)]
     takes, least = process_range(script)
     if takes:  # 05-07, 10, 15; 10's tensor parallelism needs its 2 processes
         flags += ["--devices", str(max(least, args.devices))]
     before = len(read_lines(args.results))
     print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True,
-                          text=True)
+    proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
         fail(f"{script} failed (exit {proc.returncode}):\n{tail}")
@@ -188,14 +208,26 @@ def read_lines(path):
         return []
 
 
+def bare_spec(record):
+    """What a script's record says it computed, which its bare loop computes too."""
+    return {"precision": record["precision"], "strategy": record["strategy"],
+            "processes": record["world_size"], "tensor_parallel": record.get("tensor_parallel_size") or 1,
+            "batch": record["batch_size"], "micro_batches": record.get("micro_batches") or 1,
+            "checkpointing": bool(record.get("activation_checkpointing")),
+            "optimizer": record.get("optimizer") or "Adam", "parallelize": record.get("parallelize")}
+
+
+def bare_key(record):
+    return tuple(bare_spec(record).values())
+
+
 def run_bare(record, args):
     """The bare loop in a process of its own, as the script's record says it ran."""
-    spec = [record["precision"], record["strategy"], str(record["world_size"]),
-            str(record.get("tensor_parallel_size") or 1), str(record["batch_size"]),
-            str(args.max_steps)]
-    print(f"running the bare loop {' '.join(spec)}", file=sys.stderr, flush=True)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--bare-loop", *spec,
-                           *common_flags(args)], capture_output=True, text=True)
+    spec = json.dumps(bare_spec(record))
+    print(f"running the bare loop {spec}", file=sys.stderr, flush=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--bare-loop", spec,
+                           "--max-steps", str(args.max_steps), *common_flags(args)],
+                          capture_output=True, text=True)
     found = [line for line in proc.stdout.splitlines() if line.startswith("BARE ")]
     if proc.returncode != 0 or not found:
         fail(f"the bare loop failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
@@ -204,28 +236,34 @@ def run_bare(record, args):
 
 def bare_loop(args):
     """Nothing but forward, loss, zero_grad, backward and step, on one batch of random images
-    held on the device; timed after 3 steps, with one synchronisation at each end."""
+    held on the device, in the script's precision, strategy, micro-batches, checkpointing,
+    optimizer and offload; timed after 3 steps, with one synchronisation at each end."""
     import lightning as L
     import torch.nn.functional as F
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torchvision.models.vision_transformer import EncoderBlock
     from run_keeping.devices import share_cpu_threads
     from run_keeping.record import peak_memory_gb
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
-    precision, strategy, devices, tensor_parallel, batch, steps = args.bare_loop
-    devices, tensor_parallel, batch, steps = int(devices), int(tensor_parallel), int(batch), int(steps)
-    strategy = make_strategy(strategy, devices, tensor_parallel)
+    spec, steps = json.loads(args.bare_loop), args.max_steps
+    devices, micro = spec["processes"], spec["micro_batches"]
+    strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"], spec["parallelize"])
     accelerator = "cpu" if args.smoke else args.accelerator
-    fabric = L.Fabric(accelerator=accelerator, devices=devices, precision=precision, strategy=strategy)
+    fabric = L.Fabric(accelerator=accelerator, devices=devices, precision=spec["precision"], strategy=strategy)
     fabric.launch()
     if fabric.device.type == "cpu":
         share_cpu_threads(devices)  # as the scripts' processes do (run_keeping/devices.py)
     torch.manual_seed(123)
     model = build_vit(None, argparse.Namespace(smoke=args.smoke, synthetic=True))
     model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
+    if spec["checkpointing"]:
+        apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, EncoderBlock))
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+    make = {"Adam": lambda p: torch.optim.Adam(p, lr=5e-5), "SGD": lambda p: torch.optim.SGD(p, lr=0.01)}
+    optimizer = fabric.setup_optimizers(make[spec["optimizer"]](model.parameters()))
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
-    features = torch.rand(batch, 3, size, size, device=fabric.device)
-    targets = torch.randint(0, 10, (batch,), device=fabric.device)
+    features = torch.rand(spec["batch"] // micro, 3, size, size, device=fabric.device)
+    targets = torch.randint(0, 10, (spec["batch"] // micro,), device=fabric.device)
     cuda = fabric.device.type == "cuda"
     for step in range(steps):
         if step == WARMUP_STEPS:
@@ -233,14 +271,15 @@ def bare_loop(args):
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             start = time.perf_counter()
-        loss = F.cross_entropy(model(features), targets)
         optimizer.zero_grad()
-        fabric.backward(loss)
+        for part in range(micro):
+            with fabric.no_backward_sync(model, enabled=part < micro - 1):
+                fabric.backward(F.cross_entropy(model(features), targets) / micro)
         optimizer.step()
     if cuda:
         torch.cuda.synchronize()
     seconds = fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")
-    images = (steps - WARMUP_STEPS) * batch * fabric.world_size // tensor_parallel
+    images = (steps - WARMUP_STEPS) * spec["batch"] * fabric.world_size // spec["tensor_parallel"]
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
     fabric.print("BARE " + json.dumps({"images_per_s": images / float(seconds),
                                         "peak_memory_gb": float(memory)}))
@@ -297,47 +336,81 @@ def resize_rate(num_images, device, batch_size=128):
     return num_images / (time.perf_counter() - start)
 
 
-def rows_of(runs, bares, flops, args):
+def measure(args):
+    """Every configuration's script and bare loop, round after round, interleaved (drift on the
+    machine hits every configuration alike): {(script, batch): {"records": [...], "bares": [...]}}."""
+    measured = {run: {"records": [], "bares": []} for run in args.runs}
+    with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:
+        for _ in range(args.repeat):
+            for script, batch in args.runs:
+                record = run_script(script, batch, args, Path(scratch))
+                measured[(script, batch)]["records"].append(record)
+                if not args.no_bare:
+                    measured[(script, batch)]["bares"].append(run_bare(record, args))
+    return measured
+
+
+def spread(values):
+    """(median, lowest, highest) of a list, or Nones."""
+    return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
+
+
+def rows_of(measured, flops, args):
+    """One row per configuration (and one per bare loop): the median and range over the rounds
+    of images/s, of the ratio to 01 of the same batch and processes in the same round, and of
+    the ratio to its bare loop; peak memory; MFU; whether its bare loops disagreed (busy) or the
+    ratio to 01 cannot be told from 1 (within noise)."""
+    base = {(r["records"][0]["batch_size"], r["records"][0]["world_size"]): r for (s, _), r in measured.items()
+            if s == "01_pytorch-vit.py" and r["records"]}
     rows = []
-    base = {r["batch_size"]: r["images_per_s"] for r in runs if r["script"].startswith("01")}
-    for r in runs:
-        bare = bares.get(bare_key(r))
-        peak = peak_tflops(r["device_name"], r["precision"], args.peak_tflops)
-        rows.append({
-            "script": r["script"], "batch": r["batch_size"], "precision": r["precision"],
-            "strategy": r["strategy"], "devices": r["world_size"], "images_per_s": r["images_per_s"],
-            "vs_01": r["images_per_s"] / base[r["batch_size"]] if base.get(r["batch_size"]) else None,
-            "vs_bare": r["images_per_s"] / bare["images_per_s"] if bare else None,
-            "memory_gb": r["peak_memory_gb"],
-            "mfu": r["images_per_s"] * flops / (peak * 1e12 * r["world_size"]) if peak else None})
-        if bare:
-            rows.append({"script": "bare loop", "batch": r["batch_size"], "precision": r["precision"],
-                         "strategy": r["strategy"], "devices": r["world_size"],
-                         "images_per_s": bare["images_per_s"], "vs_01": None, "vs_bare": 1.0,
-                         "memory_gb": bare["peak_memory_gb"],
-                         "mfu": bare["images_per_s"] * flops / (peak * 1e12 * r["world_size"]) if peak else None})
-    seen, unique = set(), []
-    for row in rows:  # one bare row per configuration, after the first script that uses it
-        key = (row["script"], row["batch"], row["precision"], row["strategy"], row["devices"])
-        if key not in seen:
-            seen.add(key)
-            unique.append(row)
-    return unique
+    for (script, batch), runs in measured.items():
+        records, bares, first = runs["records"], runs["bares"], runs["records"][0]
+        peak = peak_tflops(first["device_name"], first["precision"], args.peak_tflops)
+        mfu = (lambda ips: ips * flops / (peak * 1e12 * first["world_size"])) if peak else (lambda ips: None)
+        ips = [r["images_per_s"] for r in records]
+        one = base.get((first["batch_size"], first["world_size"]))
+        vs_01 = [a / b["images_per_s"] for a, b in zip(ips, one["records"])] if one else []
+        vs_bare = [a / b["images_per_s"] for a, b in zip(ips, bares)]
+        bare_ips = [b["images_per_s"] for b in bares]
+        row = {"script": script, "batch": batch, "precision": first["precision"], "strategy": first["strategy"],
+               "devices": first["world_size"], "n": len(records), "images_per_s": spread(ips),
+               "vs_01": spread(vs_01), "vs_01_rounds": vs_01, "vs_bare": spread(vs_bare),
+               "memory_gb": max(r["peak_memory_gb"] for r in records), "mfu": mfu(statistics.median(ips)),
+               "busy": bool(bare_ips) and max(bare_ips) / min(bare_ips) - 1 > BUSY,
+               "spread_bare": max(bare_ips) / min(bare_ips) - 1 if bare_ips else None}
+        median, low, high = row["vs_01"]
+        row["noise"] = median is not None and script != "01_pytorch-vit.py" and high - low > abs(median - 1)
+        rows.append(row)
+        if bares:
+            rows.append({"script": "bare loop", "batch": batch, "precision": first["precision"],
+                         "strategy": first["strategy"], "devices": first["world_size"], "n": len(bares),
+                         "images_per_s": spread(bare_ips), "vs_01": spread([]), "vs_01_rounds": [],
+                         "vs_bare": (1.0, 1.0, 1.0),
+                         "memory_gb": max(b["peak_memory_gb"] for b in bares),
+                         "mfu": mfu(statistics.median(bare_ips)), "busy": row["busy"], "noise": False,
+                         "spread_bare": row["spread_bare"], "of": script})
+    return rows
 
 
-def bare_key(record):
-    return (record["precision"], record["strategy"], record["world_size"],
-            record.get("tensor_parallel_size") or 1, record["batch_size"])
+def ratio(value, pattern="{:.2f}"):
+    """A median with its range over the rounds: 1.04 (0.98-1.10)."""
+    median, low, high = value
+    if median is None:
+        return "-"
+    return pattern.format(median) + (f" ({low:.2f}-{high:.2f})" if high != low else "")
 
 
 def markdown_table(rows):
-    lines = ["| script | batch | precision | strategy | devices | images/s | vs 01 | vs bare | "
-             "peak memory GB | MFU |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| script | batch | precision | strategy | processes | images/s | vs 01 | vs bare | "
+             "peak memory GB | MFU | note |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        note = "; ".join([*(["busy: its bare loops differ by "
+                             f"{r['spread_bare']:.0%}"] if r["busy"] and r["script"] != "bare loop" else []),
+                          *(["within noise of 01"] if r["noise"] else [])]) or "-"
         lines.append(f"| {r['script']} | {r['batch']} | {r['precision']} | {r['strategy']} | "
-                     f"{r['devices']} | {r['images_per_s']:.1f} | {fmt(r['vs_01'], '{:.2f}x')} | "
-                     f"{fmt(r['vs_bare'], '{:.2f}')} | {r['memory_gb']:.2f} | "
-                     f"{fmt(r['mfu'] and r['mfu'] * 100, '{:.1f}%')} |")
+                     f"{r['devices']} | {ratio(r['images_per_s'], '{:.1f}')} | {ratio(r['vs_01'])} | "
+                     f"{ratio(r['vs_bare'])} | {r['memory_gb']:.2f} | "
+                     f"{fmt(r['mfu'] and r['mfu'] * 100, '{:.1f}%')} | {note} |")
     return lines
 
 
@@ -351,10 +424,93 @@ def talk_comparison(rows, reference):
     for number in ("01", "02", "03", "04"):
         if number in ours:
             talk = reference[SCRIPTS[number]]
-            lines.append(f"| {SCRIPTS[number]} | {fmt(ours[number]['vs_01'], '{:.2f}x')} | "
+            lines.append(f"| {SCRIPTS[number]} | {ratio(ours[number]['vs_01'], '{:.2f}x')} | "
                          f"{talk01 / talk['time_min']:.2f}x | {ours[number]['memory_gb']:.2f} | "
                          f"{talk['memory_gb']:.2f} |")
     return lines
+
+
+def ranking(rows):
+    """The one-process configurations at batch 16, fastest first by their median ratio to 01,
+    as text: "02 > 01 = 03 > 04". Two neighbours are tied (=) unless the faster was faster in
+    every round and by more than TIE in the median: with a few rounds, two equal scripts are
+    often ordered alike in each by chance."""
+    chosen = sorted((r for r in rows if r["script"] != "bare loop" and r["devices"] == 1
+                     and r["batch"] == 16 and r["vs_01_rounds"]), key=lambda r: -r["vs_01"][0])
+    text = chosen[0]["script"][:2] if chosen else ""
+    for faster, slower in zip(chosen, chosen[1:]):
+        paired = [a / b for a, b in zip(faster["vs_01_rounds"], slower["vs_01_rounds"])]
+        apart = min(paired) > 1 and statistics.median(paired) > 1 + TIE
+        text += (" > " if apart else " = ") + slower["script"][:2]
+    return chosen, text
+
+
+def verdict(rows, args, device):
+    """The report's last lines, in plain words: what this machine showed at this size, what is
+    within noise, whether it was busy, and what it cannot say about a GPU."""
+    size = "the smoke size (a 3-layer ViT at 32x32)" if args.smoke else "ViT-B/16 at 224x224"
+    scripts = [r for r in rows if r["script"] != "bare loop"]
+    lines = [f"What this run shows, on {device} at {size}, {args.repeat} rounds of {args.max_steps} steps:"]
+    chosen, order = ranking(rows)
+    if chosen:
+        lines.append(f"- From fastest to slowest (one process, batch 16; =: not told apart, within "
+                     f"{TIE:.0%} or within the rounds' spread): {order}.")
+    noisy = [r["script"][:2] for r in scripts if r["noise"]]
+    if noisy:
+        lines.append(f"- Within noise of 01 (their spread is wider than their difference from 1.00): "
+                     f"{', '.join(noisy)}. To tell them apart, measure longer: --repeat {2 * args.repeat} "
+                     f"or --max-steps {2 * args.max_steps}.")
+    least = min(scripts, key=lambda r: r["memory_gb"])
+    lines.append(f"- Least peak memory: {least['script'][:2]} ({least['memory_gb']:.2f} GB)"
+                 + ("; at this size a process's memory is mostly its libraries (benchmark.py "
+                    "--memory --talk measures it at the talk's size)." if args.smoke else "."))
+    busy = [r for r in scripts if r["busy"]]
+    if busy:
+        worst = max(busy, key=lambda r: r["spread_bare"])
+        lines.append(f"- BUSY MACHINE: the bare loops of one configuration ran up to "
+                     f"{worst['spread_bare']:.0%} apart from round to round ({worst['script'][:2]}): "
+                     "something else was using the processor, and the ratios above are not to be "
+                     f"trusted. Run again on an idle machine, or measure longer: --repeat "
+                     f"{2 * args.repeat} --max-steps {2 * args.max_steps}.")
+    if "cuda" not in device.lower() and not device.startswith("NVIDIA"):
+        lines.append("- What it cannot say: anything about a GPU. There, bf16 runs on tensor cores, "
+                     "several processes mean several GPUs and NCCL, and torch.compile's kernels "
+                     "differ; bash gpu_check.sh measures it on one.")
+    return lines
+
+
+def throughput_report(args, measured, flops, rates):
+    """The whole report, as text."""
+    rows = rows_of(measured, flops, args)
+    first = next(iter(measured.values()))["records"][0]
+    size = "the 3-layer smoke ViT at 32x32" if args.smoke else "ViT-B/16 at 224x224"
+    text = [f"Synthetic-data training throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
+            f"UTC: {size}, {args.max_steps} steps per run (3 untimed), median of {args.repeat} "
+            f"interleaved rounds (their range in brackets), on {first['device_name']}; torch "
+            f"{first['torch']}, torchvision {first['torchvision']}, lightning {first['lightning']}.",
+            f"Model FLOPs per training image: {flops / 1e9:.3f} GFLOP (Lightning's measure_flops, "
+            "forward + backward). vs 01: images/s over 01's at the same batch and processes in the "
+            "same round; vs bare: over the bare loop of the same maths.", "", *markdown_table(rows)]
+    if not args.smoke:
+        from plot_results import load_reference
+        text += ["", "Beside the talk's published figures (batch 16, one device; the talk's "
+                 "speedup is from training time, ours from images/s on synthetic data):", "",
+                 *talk_comparison(rows, load_reference())]
+    if rates:
+        text += ["", f"The talk's CIFAR-10 input pipeline (PIL Resize to 224 + ToTensor, "
+                 f"{args.loader_images} images of 32x32, batch 16), on {torch.get_num_threads()} "
+                 "CPU threads:", ""]
+        text += [f"- {w} worker{'s' if w != 1 else ''}: {fmt(rate, '{:.0f}')} images/s"
+                 for w, rate in rates["workers"].items()]
+        text.append(f"- 09's pipeline, uint8 images resized on the {rates['device'].upper()} "
+                    f"(batch 128): {rates['resize']:.0f} images/s")
+        talk04 = next((r for r in rows if r["script"].startswith("04") and r["batch"] == 16), None)
+        workers = rates["workers"].get(4)
+        if talk04 and workers and not args.smoke:
+            waits = "yes" if workers < talk04["images_per_s"][0] else "no"
+            text.append(f"- does the talk's 04 (batch 16, {talk04['images_per_s'][0]:.0f} images/s) "
+                        f"wait for its 4 loader workers ({workers:.0f} images/s)? {waits}")
+    return "\n".join(text + ["", *verdict(rows, args, first["device_name"])])
 
 
 def main(argv=None):
@@ -368,74 +524,17 @@ def main(argv=None):
     if args.memory:
         return memory_report(args)
     if args.peaks:
-        print("Dense peak TFLOP/s used for MFU (NVIDIA data sheets, sparsity figures halved):")
-        print(f"{'name contains':<14} {'FP32':>6} {'TF32':>7} {'BF16/FP16':>10}")
-        for part, p in PEAKS:
-            print(f"{part:<14} {p['fp32']:>6.1f} {p['tf32']:>7.1f} {p['bf16']:>10.1f}")
-        print("32-true uses FP32 (no script switches TF32 on); bf16-mixed and 16-mixed use "
-              "BF16/FP16. Other GPUs: Lightning's table. --peak-tflops overrides.")
+        print("\n".join(peaks_table()))
         return
-    flops = flops_per_image(args.smoke)
-    runs = {}
-    for _ in range(args.repeat):  # alternating, so drift on the machine hits every script alike
-        for script, batch in args.runs:
-            runs.setdefault((script, batch), []).append(run_script(script, batch, args))
-    records = []
-    for group in runs.values():
-        record = dict(group[-1])
-        record["images_per_s"] = statistics.median(r["images_per_s"] for r in group)
-        record["peak_memory_gb"] = max(r["peak_memory_gb"] for r in group)
-        records.append(record)
-    # each run removed its own checkpoint folder when it finished; their parent goes too
-    remove_empty_folders(Path(args.results).parent / "benchmark-checkpoints", up_to=Path(args.results).parent)
-    bares = {}
-    if not args.no_bare:
-        for record in records:
-            if bare_key(record) not in bares:
-                bares[bare_key(record)] = run_bare(record, args)
-    rows = rows_of(records, bares, flops, args)
-    first = records[0]
-    size = "the 3-layer smoke ViT at 32x32" if args.smoke else "ViT-B/16 at 224x224"
-    report = [f"Synthetic-data training throughput, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} "
-              f"UTC: {size}, {args.max_steps} steps per run (3 untimed), median of "
-              f"{args.repeat}, on {first['device_name']}; torch {first['torch']}, torchvision "
-              f"{first['torchvision']}, lightning {first['lightning']}.",
-              f"Model FLOPs per training image: {flops / 1e9:.3f} GFLOP (Lightning's "
-              "measure_flops, forward + backward). Speedup (vs 01): images/s over 01's at the "
-              "same batch; vs bare: over the bare loop's.", "", *markdown_table(rows)]
-    if not args.smoke:
-        from plot_results import load_reference
-        report += ["", "Beside the talk's published figures (batch 16, one device; the talk's "
-                   "speedup is from training time, ours from images/s on synthetic data):", "",
-                   *talk_comparison(rows, load_reference())]
+    started = time.time()
+    measured = measure(args)
+    rates = None
     if args.loader_images:
-        rates = loader_rates(args.loader_images, args.loader_workers)
-        fastest = max(rows, key=lambda r: r["images_per_s"])
-        talk04 = next((r for r in rows if r["script"].startswith("04") and r["batch"] == 16), None)
-        report += ["", f"The talk's CIFAR-10 input pipeline (PIL Resize to 224 + ToTensor, "
-                   f"{args.loader_images} images of 32x32, batch 16), on "
-                   f"{torch.get_num_threads()} CPU threads:", ""]
-        report += [f"- {w} workers: {fmt(rate, '{:.0f}')} images/s" for w, rate in rates.items()]
         device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-        report.append(f"- 09's pipeline, uint8 images resized on the {device.type.upper()} "
-                      f"(batch 128): {resize_rate(args.loader_images, device):.0f} images/s")
-        report.append(f"- fastest training rate above: {fastest['images_per_s']:.0f} images/s "
-                      f"({fastest['script']}, batch {fastest['batch']})")
-        if talk04 and 4 in rates and rates[4] and not args.smoke:
-            waits = "yes" if rates[4] < talk04["images_per_s"] else "no"
-            report.append(f"- does the talk's 04 (batch 16, {talk04['images_per_s']:.0f} images/s) "
-                          f"wait for its 4 loader workers ({rates[4]:.0f} images/s)? {waits}")
-    fast = {r["batch"]: r for r in rows if r["script"].startswith("09")}
-    talk04 = {r["batch"]: r for r in rows if r["script"].startswith("04")}
-    for batch, row in fast.items():
-        best04 = talk04.get(16) or talk04.get(batch)
-        if best04:
-            report.append("")
-            talks = ", the talk's" if best04["batch"] == 16 else ""
-            report.append(f"09 (batch {batch}) against 04 (batch {best04['batch']}{talks}): "
-                          f"{row['images_per_s'] / best04['images_per_s']:.2f}x the images/s; "
-                          f"{fmt(row['vs_bare'], '{:.2f}')} of its bare loop.")
-    text = "\n".join(report)
+        rates = {"workers": loader_rates(args.loader_images, args.loader_workers), "device": device.type,
+                 "resize": resize_rate(args.loader_images, device)}
+    text = throughput_report(args, measured, flops_per_image(args.smoke), rates)
+    text += f"\n- The whole measurement took {(time.time() - started) / 60:.1f} min."
     print("\n" + text)
     if args.report:
         Path(args.report).parent.mkdir(parents=True, exist_ok=True)
@@ -444,6 +543,15 @@ def main(argv=None):
     from plot_results import chart_command
     print(f"Records appended to {args.results} (chart them with: "
           f"{chart_command('smoke-synthetic' if args.smoke else 'synthetic', args.results)})")
+
+
+def peaks_table():
+    lines = ["Dense peak TFLOP/s used for MFU (NVIDIA data sheets, sparsity figures halved):",
+             f"{'name contains':<14} {'FP32':>6} {'TF32':>7} {'BF16/FP16':>10}"]
+    lines += [f"{part:<14} {p['fp32']:>6.1f} {p['tf32']:>7.1f} {p['bf16']:>10.1f}" for part, p in PEAKS]
+    lines.append("32-true uses FP32 (no script switches TF32 on); bf16-mixed, bf16-true, 16-mixed "
+                 "and 16-true use BF16/FP16. Other GPUs: Lightning's table. --peak-tflops overrides.")
+    return lines
 
 
 if __name__ == "__main__":

@@ -248,15 +248,16 @@ def memory_chart(rows, path, device):
     save(fig, path)
 
 
-def make_strategy(name, devices, tensor_parallel=1):
-    """The strategy a script's record names, for `devices` processes."""
+def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
+    """The strategy a script's record names, for `devices` processes; `parallelize`: the name of
+    the record's parallelize function (15's offloads), else the one its strategy implies."""
     import lightning as L
-    from local_utilities import fsdp_each_encoder_block, tensor_parallel_mlps_then_fsdp
+    import local_utilities
     if name in ("single-device", "ddp"):
         return {"single-device": "auto", "ddp": "ddp"}[name]
-    parallelize = tensor_parallel_mlps_then_fsdp if tensor_parallel > 1 else fsdp_each_encoder_block
-    return L.fabric.strategies.ModelParallelStrategy(parallelize, devices // tensor_parallel,
-                                                     tensor_parallel)
+    parallelize = parallelize or ("tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block")
+    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, parallelize),
+                                                     devices // tensor_parallel, tensor_parallel)
 
 
 # -- --memory --talk and --sequel: the numbered scripts as they are ---------------------------------

@@ -11,6 +11,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from run_keeping import flags as command_line
+from run_keeping.commands import whole_number
 from run_keeping.errors import fail
 
 NUM_CLASSES = 10
@@ -230,7 +231,7 @@ def tensor_parallel_mlps_then_fsdp(model, device_mesh):
 
 # the flag of the technique, had by the script that imports it (run_keeping/flags.py)
 tensor_parallel_mlps_then_fsdp.flags = [("--tensor-parallel", dict(
-    type=command_line.at_least(1), default=2, metavar="N", help="processes that split each MLP "
+    type=whole_number(1), default=2, metavar="N", help="processes that split each MLP "
     "between them (default 2); the rest of --devices x --num-nodes is data parallel"))]
 
 

@@ -6,26 +6,31 @@ the 3-layer smoke ViT on *printed* digits rendered from the fonts that matplotli
 font, size, position, slant, rotation and stroke width, then an elastic wobble), each reduced to
 the 8x8 grid of 17 grey levels in which scikit-learn's *handwritten* digits come (the UCI set: 32x32 bitmaps counted in
 4x4 blocks). `--smoke` then finetunes these weights on the handwritten digits, which this script
-never sees. It writes smoke_weights/smoke-vit-printed-digits.pt (a state dict, 1.7 MB) and its
-provenance beside it (.json: data, steps, seed, versions, pretext accuracy, sha256).
+never sees. The weights the suite uses are smoke_weights/smoke-vit-printed-digits.pt (a state dict,
+1.7 MB), with their provenance beside them (.json: data, steps, seed, versions, pretext accuracy,
+sha256, and how long this script took where). This script makes them again, into results/ (the
+repository's own copy is never written), and says whether the tensors are the same.
 
-    python make_smoke_weights.py            # 79 s on a 2-core AMD EPYC (2026-12-01)
+    python make_smoke_weights.py            # results/smoke-vit-printed-digits.pt and .json
 """
-import argparse
 import hashlib
 import json
 import math
-import os
 import platform
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+import run_keeping  # noqa: F401  first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.commands import Parser, check_path, whole_number
+from run_keeping.record import device_name
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent
-OUTPUT = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"
+COMMITTED = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"
+OUTPUT = Path("results") / COMMITTED.name  # under the folder it runs from
 CANVAS = 32  # the UCI digits' bitmaps: 32x32, then 4x4 blocks counted into 8x8 of 0..16
 # The strength of the elastic wobble: tried 16, 34, 50 and 70 (sigma 4), and 60 with sigma 6;
 # 50 gave the best finetuning on the handwritten digits (a stronger one makes the printed
@@ -110,13 +115,23 @@ def accuracy(model, images, labels, batch=500):
     return right / len(labels)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--images", type=int, default=20000, help="printed digits to train on")
-    parser.add_argument("--steps", type=int, default=1500, help="AdamW steps of batch 128")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=str(OUTPUT), help=f"default {OUTPUT.relative_to(ROOT)}")
-    args = parser.parse_args()
+def same_tensors(a, b):
+    """Whether two state dict files hold the same tensors (their bytes may differ: zip headers)."""
+    first, second = (torch.load(path, map_location="cpu", weights_only=True) for path in (a, b))
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+def main(argv=None):
+    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=whole_number(10), default=20000, metavar="N",
+                        help="printed digits to train on (default 20000)")
+    parser.add_argument("--steps", type=whole_number(1), default=1500, metavar="N",
+                        help="AdamW steps of batch 128 (default 1500)")
+    parser.add_argument("--seed", type=whole_number(0, 2**32 - 1), default=0, metavar="N")
+    parser.add_argument("--output", default=str(OUTPUT), metavar="PATH", help=f"default {OUTPUT} "
+                        "under the current folder, with its .json beside it")
+    args = parser.parse_args(argv)
+    check_path("--output", args.output)
     from local_utilities import smoke_vit
 
     began = time.time()
@@ -168,13 +183,15 @@ def main():
         "steps": args.steps, "batch_size": 128, "optimizer": "AdamW lr 1e-3, weight decay 0.05, "
         "5% warm-up, cosine", "seed": args.seed,
         "pretext_test_accuracy": round(pretext_accuracy, 4),
-        "seconds": round(time.time() - began), "machine": f"{platform.machine()}, "
-        f"{os.cpu_count()} cores", "python": platform.python_version(),
+        "seconds": round(time.time() - began), "machine": device_name("cpu"),
+        "made": datetime.now(timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
         "torch": torch.__version__, "torchvision": torchvision.__version__,
         "pillow": PIL.__version__, "matplotlib": matplotlib.__version__, "numpy": np.__version__,
     }
     output.with_suffix(".json").write_text(json.dumps(provenance, indent=1) + "\n")
     print(f"wrote {output} and {output.with_suffix('.json').name} in {time.time() - began:.0f} s")
+    same = same_tensors(output, COMMITTED)
+    print(f"the same tensors as the suite's {COMMITTED.relative_to(ROOT)}: {'yes' if same else 'no'}")
 
 
 if __name__ == "__main__":

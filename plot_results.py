@@ -11,16 +11,17 @@ error bar their range (min to max); the table gives n and the accuracy's range. 
 images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
 throughput, 01's training time divided by the script's (the same images in each run).
 """
-import argparse
 import csv
 import os
 import re
+import shlex
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
-from run_keeping.errors import fail
+from run_keeping.errors import fail  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.commands import Parser, check_path
 from run_keeping.files import read_records
 
 ROOT = Path(__file__).resolve().parent
@@ -55,11 +56,11 @@ def load_reference(path=REFERENCE):
 
 
 def chart_command(kind, results):
-    """The command that charts the `kind` runs in `results`."""
+    """The command that charts the `kind` runs in `results`: plot_results.py beside the program
+    that prints it, named as that program was invoked, so that it runs from the same folder."""
     flags = "".join(f" --{k}" for k in kind.split("-") if k != "full")
-    where = "" if str(results) == "results/runs.jsonl" else f" --results {results}"
-    script = os.path.relpath(ROOT / "plot_results.py")  # as run from the current folder
-    return f"python {script if not script.startswith('..') else ROOT / 'plot_results.py'}{flags}{where}"
+    where = "" if str(results) == "results/runs.jsonl" else f" --results {shlex.quote(str(results))}"
+    return f"python {shlex.quote(str(Path(sys.argv[0]).with_name('plot_results.py')))}{flags}{where}"
 
 
 def kind_of(record):
@@ -129,20 +130,38 @@ KINDS = ("full", "smoke", "synthetic", "smoke-synthetic")
 SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
 
 
-def select(records, kind):
+def configuration(record):
+    """What a ratio may be formed across: runs of the same kind, per-process batch, image size
+    (the kind's), model and number of processes. Logs in the talk's format have none of these:
+    they compare among themselves."""
+    return (kind_of(record), record.get("batch_size"), record.get("model"), record.get("world_size"))
+
+
+def select(records, kind, everything=False):
     """The runs of the asked kind, or of the first kind that exists: the latest record per
-    script and seed, summarised per script (mean, range, n)."""
+    script, configuration and seed, summarised per script and configuration (mean, range, n),
+    keyed (script, configuration). Runs cut short by --max-steps are left out unless
+    `everything`. Returns (kind, runs, [what was left out and why])."""
+    left_out = [] if everything else [r for r in records if r.get("whole") is False]
+    records = [r for r in records if everything or r.get("whole") is not False]
     for chosen in [kind] if kind else KINDS:
         runs = {}
         for record in records:  # later lines are later runs
             if kind_of(record) == chosen:
-                runs.setdefault(record["script"], {})[record.get("seed")] = record
+                runs.setdefault((record["script"], configuration(record)), {})[record.get("seed")] = record
         if runs:
             if not kind and chosen != "full":
                 warn(f"no full runs found: showing {chosen} runs (not comparable to the talk)")
-            return chosen, {script: summarise(list(by_seed.values()))
-                            for script, by_seed in runs.items()}
-    return kind or "full", {}
+            notes = [f"left out, cut short by {r.get('cut_short_by') or '--max-steps'} (a debugging run, not a "
+                     f"result; --all includes it): {r['script']} seed {r.get('seed')}"
+                     for r in left_out if kind_of(r) == chosen]
+            return chosen, {key: summarise(list(by_seed.values())) for key, by_seed in sorted(runs.items(), key=order)}, notes
+    return kind or "full", {}, []
+
+
+def order(item):
+    (script, (kind, batch, model, processes)), _ = item
+    return script, batch or 0, str(model), processes or 0
 
 
 def summarise(runs):
@@ -171,13 +190,14 @@ def hardware(latest):
     return "; ".join(parts)
 
 
-SPEEDUP = ("speedup: training images/s over 01's; for the talk and for runs without a "
-           "throughput: 01's training time over the script's")
+SPEEDUP = ("speedup: training images/s over 01's of the same kind, batch, model and processes; "
+           "for the talk and for runs without a throughput: 01's training time over the script's")
 
 
 def speedup(record, baseline):
-    """Throughput over the baseline's; training time where either lacks a throughput."""
-    if not record or not baseline:
+    """Throughput over the baseline's; training time where either lacks a throughput; None
+    without a baseline of the same configuration."""
+    if not record or not baseline or configuration(record) != configuration(baseline):
         return None
     if record.get("images_per_s") and baseline.get("images_per_s"):
         return record["images_per_s"] / baseline["images_per_s"]
@@ -186,39 +206,70 @@ def speedup(record, baseline):
     return None
 
 
-def table(latest, reference, kind):
-    """The comparison as text: ours beside the talk's, and each script's speedup over 01."""
+def baseline_of(key, latest):
+    """01's run of the same configuration as `key`'s, or None."""
+    return latest.get((BASELINE, key[1]))
+
+
+def differences(record, reference):
+    """What a run did otherwise than the talk's run of its script: batch, processes, model."""
+    talk = reference.get(record["script"], {})
+    found = []
+    if record.get("batch_size") and record["batch_size"] != 16:
+        found.append(f"batch {record['batch_size']}")
+    if record.get("world_size") and talk.get("devices") and record["world_size"] != talk["devices"]:
+        found.append(f"{record['world_size']} process{'es' if record['world_size'] > 1 else ''}")
+    if record.get("model") not in (None, "vit_b_16", "smoke ViT"):
+        found.append(record["model"])
+    return found
+
+
+def table(latest, reference, kind, notes=()):
+    """The comparison as text: ours beside the talk's, each script's speedup over 01 where a 01
+    run of the same configuration exists, and what was left out."""
     def show(value, pattern="{:.2f}x"):
         return pattern.format(value) if value else "-"
     talk01 = reference[BASELINE]["time_min"]
     header = (f"{'script':<34} {'time min':>9} {'talk':>7} {'acc %':>7} {'talk':>7} "
               f"{'mem GB':>7} {'talk':>6} {'img/s':>8} {'speedup':>8} {'talk':>6} {'n':>3} "
-              f"{'acc % range':>13}")
+              f"{'acc % range':>13}  settings")
     lines = [f"Ours: {kind} runs on {hardware(latest)}. Talk: its published figures.", header]
-    for script in sorted(latest):
-        r, t = latest[script], reference[script]
+    unformed = []
+    for key in latest:
+        script, r, t = key[0], latest[key], reference[key[0]]
         acc = f"{r['test_acc'] * 100:.2f}" if r.get("test_acc") is not None else "-"
         ips = f"{r['images_per_s']:.1f}" if r.get("images_per_s") is not None else "-"
         low, high = r.get("range", {}).get("test_acc", (None, None))
         spread = f"{low * 100:.2f}-{high * 100:.2f}" if r.get("n", 1) > 1 and low is not None else "-"
+        ratio = speedup(r, baseline_of(key, latest))
+        if ratio is None and script != BASELINE:
+            unformed.append(script[:2])
+        settings = ", ".join([r.get("init") or "", *differences(r, reference)]).strip(", ") or "-"
         lines.append(
             f"{script:<34} {r['train_time_s'] / 60:>9.2f} {show(t['time_min'], '{:.2f}'):>7} "
             f"{acc:>7} {show(t['test_acc_pct'], '{:.2f}'):>7} {r['peak_memory_gb']:>7.2f} "
-            f"{show(t['memory_gb'], '{:.2f}'):>6} {ips:>8} "
-            f"{show(speedup(r, latest.get(BASELINE))):>8} "
-            f"{show(t['time_min'] and talk01 / t['time_min']):>6} {r.get('n', 1):>3} {spread:>13}")
+            f"{show(t['memory_gb'], '{:.2f}'):>6} {ips:>8} {show(ratio):>8} "
+            f"{show(t['time_min'] and talk01 / t['time_min']):>6} {r.get('n', 1):>3} {spread:>13}  {settings}")
     lines.append(f"({SPEEDUP}; n: runs with different --seed, their mean shown; the range is "
                  "min-max)")
+    if unformed:
+        lines.append(f"(no speedup for {', '.join(unformed)}: no 01 run of the same kind, batch, "
+                     "model and processes to divide by)")
+    lines += [f"({note})" for note in notes]
     if kind != "full":
         lines.append(f"({kind} runs: a small model on small data; not a reproduction of the talk)")
     return "\n".join(lines)
 
 
-def short_label(script, reference, kind):
-    technique = reference[script]["technique"].split(", stepped")[0]
-    if kind.startswith("smoke"):  # what the smoke run loads instead of the ImageNet weights
-        technique = technique.replace("ImageNet-pretrained", "pretrained on printed digits")
-    return script[:2] + "\n" + textwrap.fill(technique, 15)
+def short_label(record, reference):
+    """The x label of a run: its number, its technique, what its model started from, and what
+    it did otherwise than the talk's run."""
+    script = record["script"]
+    technique = reference[script]["technique"].split(", stepped")[0].replace(", ImageNet-pretrained", "")
+    init = (record.get("init") or "").split(",")[0]
+    lines = [script[:2], textwrap.fill(technique, 15), *([textwrap.fill(init, 15)] if init else []),
+             *differences(record, reference)]
+    return "\n".join(lines)
 
 
 def figure(latest, reference, kind):
@@ -227,24 +278,24 @@ def figure(latest, reference, kind):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scripts = sorted(latest)
-    labels = [short_label(s, reference, kind) for s in scripts]
-    fig, axes = plt.subplots(4, 1, figsize=(max(9.0, 1.5 * len(scripts) + 2), 15), dpi=100)
+    keys = list(latest)
+    labels = [short_label(latest[k], reference) for k in keys]
+    fig, axes = plt.subplots(4, 1, figsize=(max(9.0, 1.5 * len(keys) + 2), 16), dpi=100)
     width = 0.38
-    xs = list(range(len(scripts)))
+    xs = list(range(len(keys)))
     for ax, (title, key, talk_key, convert, fmt) in zip(axes, CHARTS):
         ax.set_title(title)
         ax.set_xticks(xs)
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_xlim(-0.6, len(scripts) - 0.4)
-        ours = [convert(latest[s][key]) if latest[s].get(key) is not None else None for s in scripts]
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_xlim(-0.6, len(keys) - 0.4)
+        ours = [convert(latest[k][key]) if latest[k].get(key) is not None else None for k in keys]
         if all(value is None for value in ours) and not talk_key:
             ax.set_yticks([])
             ax.text(0.5, 0.5, f"no data: none of these {kind} records has {key}",
                     transform=ax.transAxes, ha="center", va="center", color="#555555")
             continue
-        ranges = [latest[s].get("range", {}).get(key) if latest[s].get("n", 1) > 1 else None
-                  for s in scripts]
+        ranges = [latest[k].get("range", {}).get(key) if latest[k].get("n", 1) > 1 else None
+                  for k in keys]
         below = [v - convert(r[0]) if r and v is not None else 0 for v, r in zip(ours, ranges)]
         above = [convert(r[1]) - v if r and v is not None else 0 for v, r in zip(ours, ranges)]
         bars = ax.bar([x - width / 2 for x in xs], [v or 0 for v in ours], width,
@@ -257,7 +308,7 @@ def figure(latest, reference, kind):
                         (bar.get_x() + bar.get_width() / 2, bar.get_height() + up),
                         ha="center", va="bottom", fontsize=7)
         if talk_key:
-            talk = [reference[s][talk_key] for s in scripts]
+            talk = [reference[k[0]][talk_key] for k in keys]
             talk_bars = ax.bar([x + width / 2 for x in xs], [t or 0 for t in talk], width,
                                color="white", edgecolor="#888888", hatch="//",
                                label="talk (published)")
@@ -272,10 +323,9 @@ def figure(latest, reference, kind):
     headline = f"Ours: {kind} runs on {hardware(latest)}"
     if kind != "full":
         headline += f"\n{kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
-    if kind == "smoke":
-        headline += ("\n(a 3-layer ViT on 8x8 handwritten digits: 00 from random init, the others "
-                     "pretrained on printed digits; on a CPU, memory is the process's peak "
-                     "resident memory)")
+    if kind.startswith("smoke"):
+        headline += ("\n(a 3-layer ViT on 8x8 handwritten digits, from what each label says it "
+                     "started from; on a CPU, memory is the process's peak resident memory)")
     headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
     # wrapped to the figure's width: at most 7.5 pixels a character at 9 points and 100 dpi
     chars = int(fig.get_figwidth() * fig.dpi / 7.5)
@@ -310,8 +360,8 @@ def save(fig, output):
             os.remove(tmp)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", default="results/runs.jsonl", metavar="FILE",
                         help="run records, one JSON object per line (default results/runs.jsonl)")
     parser.add_argument("--log", action="append", default=[], metavar="FILE",
@@ -321,9 +371,16 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="chart the --smoke runs")
     parser.add_argument("--synthetic", action="store_true", help="chart the --synthetic "
                         "(benchmark) runs; with --smoke, the --smoke --synthetic ones")
+    parser.add_argument("--all", action="store_true", help="also the runs cut short by "
+                        "--max-steps (debugging runs, left out by default)")
     args = parser.parse_args(argv)
     args.kind = "-".join(k for k in ("smoke", "synthetic") if getattr(args, k)) or None
+    check_path("--output", args.output)
+    return args
 
+
+def table_and_chart(args):
+    """(the table as text, the chart) of the runs the flags ask for."""
     reference = load_reference()
     records = []
     if Path(args.results).exists() or not args.log:
@@ -332,13 +389,20 @@ def main(argv=None):
         records += read_log(log, reference)
     if not records:
         fail(f"nothing to draw: no usable run in {', '.join([args.results, *args.log])}")
-    kind, latest = select(records, args.kind)
+    kind, latest, notes = select(records, args.kind, args.all)
     if not latest:
         there = sorted({kind_of(r) for r in records})
-        fail(f"nothing to draw: no {kind} runs in {args.results}; it holds {', '.join(there)} "
+        left = f" ({'; '.join(notes)})" if notes else ""
+        fail(f"nothing to draw: no {kind} runs in {args.results}{left}; it holds {', '.join(there)} "
              f"runs: chart them with {' or '.join(chart_command(k, args.results) for k in there)}")
-    print(table(latest, reference, kind))
-    save(figure(latest, reference, kind), args.output)
+    return table(latest, reference, kind, notes), figure(latest, reference, kind)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    text, chart = table_and_chart(args)
+    print(text)
+    save(chart, args.output)
     print(f"Chart written to {args.output}")
 
 

@@ -1,12 +1,19 @@
-"""Per-epoch checkpoints and --resume: a checkpoint keeps the model, optimizer, scheduler,
-random states, the figures so far and the settings that shape its run; --resume restores them
-after checking that the checkpoint is this run's (script, kind of run, settings)."""
+"""Checkpoints and --resume. A checkpoint keeps the model, optimizer, scheduler, random states,
+the figures so far and the settings that shape its run; one is written after each epoch, and one
+mid-epoch when the run is asked to stop (SIGTERM, Ctrl-C): with the batches done, the epoch's
+loss so far and the random state its data order came from, so a continued run goes on from that
+batch. --resume restores them after checking that the checkpoint is this run's. While a run
+runs, it holds its folder (a lock that dies with its process): a second run there is refused."""
+import fcntl
 import io
 import json
 import os
 import random
 import shlex
+import socket
 import sys
+import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -14,22 +21,33 @@ import torch
 
 from run_keeping.errors import fail, why_unloadable
 from run_keeping.files import remove, remove_empty_folders, write_atomically, write_error
+from run_keeping.commands import invoked
 from run_keeping.model_file import load_state_dict, plain_state_dict
 
-LATEST = "latest.json"  # names a checkpoint folder's newest finished epoch
+LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
+LOCK = ".lock"          # held by the run in progress there
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
 SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_parallel",
             "precision", "lr")
 
 
+def started_flags():
+    """The flags this run was started with, less --resume."""
+    return [a for a in sys.argv[1:] if a != "--resume"]
+
+
 def resume_command(flags=None):
     """The command that continues this run: the flags it was started with (or `flags`), plus
-    --resume."""
-    flags = [a for a in (sys.argv[1:] if flags is None else flags) if a != "--resume"]
-    command = " ".join(["python", Path(sys.argv[0]).name, *map(shlex.quote, flags), "--resume"])
+    --resume; under torchrun or srun, the same launch."""
+    command = invoked(*(started_flags() if flags is None else flags), "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command
+
+
+def start_over_command(folder):
+    """The commands that drop the unfinished run in `folder` and start this one afresh."""
+    return f"rm -r {shlex.quote(str(folder))} && {invoked(*started_flags())}"
 
 
 def kind_flags(kind):
@@ -37,32 +55,117 @@ def kind_flags(kind):
     return "".join(f" --{k}" for k in kind.split("-") if k)
 
 
+def resume_hint(folder):
+    """The command that continues the run in another folder: its own flags, or (where its
+    latest.json lacks them) the flags of its kind, read from its name."""
+    try:
+        latest = json.loads((folder / LATEST).read_text())
+    except (OSError, ValueError):
+        latest = {}
+    kind = latest.get("kind") or "-".join(k for k in ("smoke", "synthetic") if f"-{k}" in folder.name)
+    return resume_command(latest.get("flags") or kind_flags(kind).split())
+
+
+def checkpoint_name(progress):
+    """epoch-0002.ckpt after 2 epochs; epoch-0003-batch-00150.ckpt 150 batches into the third."""
+    done = progress["batches_done"]
+    return f"epoch-{progress['epochs_done'] + (1 if done else 0):04d}" + (f"-batch-{done:05d}" if done else "") + ".ckpt"
+
+
+def launched_by():
+    """What started this process, kept in each checkpoint: a requeued SLURM job or a torchrun
+    restart has the same, and continues its run by itself."""
+    env = os.environ
+    return {"slurm_job_id": env.get("SLURM_JOB_ID"), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+
+
+def restarted(latest):
+    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM
+    requeued its job, or torchrun restarted its workers), or None: a user at a terminal starts
+    a new run, and is not let into an unfinished one without --resume."""
+    env, launch = os.environ, latest.get("launch") or {}
+    if int(env.get("SLURM_RESTART_COUNT", "0")) > 0 and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
+        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {env['SLURM_RESTART_COUNT']})"
+    if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and \
+            env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
+        return f"torchrun restarted its workers (restart {env['TORCHELASTIC_RESTART_COUNT']})"
+    return None
+
+
+class FolderLock:
+    """A run's hold on its checkpoint folder: an advisory lock on a file in it, which the system
+    lets go of when the process ends, however it ends (a killed run never blocks the next)."""
+
+    def __init__(self, folder):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path, self.handle = folder / LOCK, open(folder / LOCK, "a+")
+        try:
+            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.handle.seek(0)
+            holder = self.handle.read().strip() or "another process"
+            self.handle.close()
+            fail(f"a run is in progress in {folder} ({holder}): wait for it to finish, or give "
+                 "this one another --checkpoint-dir to run beside it.")
+        self.handle.seek(0)
+        self.handle.truncate()
+        self.handle.write(f"process {os.getpid()} on {socket.gethostname()}, since "
+                          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+        self.handle.flush()
+
+    def release(self):
+        remove(self.path)
+        self.handle.close()
+
+
 class Checkpoints:
-    def __init__(self, args, fabric, barrier):
-        self.args, self.fabric, self.barrier = args, fabric, barrier
-        self.rank = fabric.global_rank if fabric else 0
+    def __init__(self, args, fabric, rank):
+        self.args, self.fabric, self.rank = args, fabric, rank
         self.folder = Path(args.checkpoint_dir)
         self.last = None  # the newest checkpoint written or resumed from
-        latest = self.folder / LATEST
-        if latest.exists() and not args.resume:
-            try:
-                flags = json.loads(latest.read_text())["flags"]
-            except (OSError, ValueError, KeyError, TypeError):
-                flags = None
-            fail(f"{self.folder} holds the checkpoint of an unfinished run: continue it with "
-                 f"{resume_command(flags)}, or choose another --checkpoint-dir (or delete that "
-                 "one) to start over.")
-        if args.resume and not latest.exists():
-            stem = Path(args.script).stem
+        self.held = None  # the lock file, held by process 0
+
+    def read_latest(self):
+        try:
+            return json.loads((self.folder / LATEST).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def claim(self):
+        """Process 0: hold the folder, or refuse in one line if a run is in progress there."""
+        self.held = FolderLock(self.folder)
+
+    def release(self):
+        """Let go of the folder, and remove it if nothing of the run is left in it."""
+        if self.held:
+            self.held.release()
+            self.held = None
+            default = self.args.checkpoint_dir_is_default
+            remove_empty_folders(self.folder, up_to=self.folder.parent.parent if default else self.folder.parent)
+
+    def decide(self):
+        """Whether this run continues the one in the folder: --resume, or its launcher started
+        it again; refuses a fresh run over an unfinished one, and --resume with nothing to
+        resume, each in one line. Every process decides the same from the same files."""
+        latest = self.read_latest()
+        exists = (self.folder / LATEST).exists()
+        again = restarted(latest) if latest else None
+        if exists and not self.args.resume and not again:
+            flags = (latest or {}).get("flags")
+            fail(f"{self.folder} holds the checkpoint of an unfinished run: continue it with: "
+                 f"{resume_command(flags)}; or start over with: {start_over_command(self.folder)}")
+        if self.args.resume and not exists:
+            stem = Path(self.args.script).stem
             others = sorted(p.parent.name for p in self.folder.parent.glob(f"{stem}*/{LATEST}"))
-            hint = "".join(f" {name} holds one: continue it with python {args.script}"
-                           f"{kind_flags(name[len(stem) + 1:])} --resume." for name in others)
+            hint = "".join(f" {name} holds one: continue it with "
+                           f"{resume_hint(self.folder.parent / name)}." for name in others)
             fail(f"--resume: nothing to resume in {self.folder} (no {LATEST}).{hint} On "
                  "several machines --checkpoint-dir must be a folder every machine sees.")
+        return again
 
     def load(self, model, optimizer, settings, scheduler=None):
         """The newest checkpoint into model, optimizer and scheduler; returns its progress
-        (epochs done, steps, figures so far) and its random states (for set_rng_states)."""
+        (epochs and batches done, steps, figures so far) and its random states."""
         latest_file = self.folder / LATEST
         try:
             latest = json.loads(latest_file.read_text())
@@ -96,62 +199,73 @@ class Checkpoints:
         self.last = path
         return state["progress"], state["rng"]
 
-    def save(self, epoch, model, optimizer, progress, settings, scheduler=None, lost_peer=None):
-        """The epoch's checkpoint, written beside the last one and renamed into place, then
-        named in latest.json; older ones removed. A failed write: one line, exit 1."""
-        name = f"epoch-{epoch + 1:04d}.ckpt"
+    def save(self, model, optimizer, progress, settings, scheduler, together, lost_peer):
+        """A checkpoint of the progress so far (after an epoch, or mid-epoch when the run is
+        asked to stop), written beside the last one and renamed into place, then named in
+        latest.json; older ones removed. A failed write, in any process: one line from each,
+        exit 1, the last good checkpoint kept."""
+        name = checkpoint_name(progress)
         final, tmp = self.folder / name, self.folder / (name + ".tmp")
         meta = {"script": self.args.script, "kind": self.args.kind, "settings": settings,
-                "flags": [a for a in sys.argv[1:] if a != "--resume"]}
+                "flags": started_flags(), "launch": launched_by()}
         extra = {"scheduler": scheduler} if scheduler else {}
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            remove(tmp)
-        self.barrier()
-        try:
-            if self.fabric:
-                self.fabric.save(tmp, {"model": model, "optimizer": optimizer, "progress": progress,
-                                       "rng": rng_states(), **extra})
-            else:
-                state = {"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
-                         "progress": progress, "rng": rng_states(),
-                         **{k: v.state_dict() for k, v in extra.items()}}
-                buffer = io.BytesIO()
-                torch.save(state, buffer)
-                write_atomically(tmp, buffer.getvalue(), replace=False)
-        except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
-            if lost_peer and lost_peer(err):
-                raise  # not the disk: a process of the run is gone (signals.py says so)
-            remove(tmp)
-            fail(f"cannot write the checkpoint {tmp}: {write_error(err, tmp)}. The last good "
-                 f"checkpoint ({self.last or 'none yet'}) is untouched.", code=1)
-        self.barrier()
-        if self.rank == 0:
-            os.replace(tmp, final)
-            write_atomically(self.folder / LATEST,
-                             json.dumps({"checkpoint": name, **meta, **progress}).encode())
-            for old in self.folder.glob("epoch-*.ckpt"):
-                if old.name != name:
-                    remove(old)
-        self.last = final  # before the barrier: a process lost there can name it
-        self.barrier()
+        kept = (f"the last good checkpoint ({self.last}) is untouched: once there is room, "
+                f"continue with: {resume_command()}" if self.last else "no checkpoint was written "
+                f"yet: once there is room, start again with: {invoked(*started_flags())}")
+        began = time.perf_counter()
+        together(lambda: remove(tmp) if self.rank == 0 else None)
+
+        def write():
+            try:
+                if self.fabric:
+                    self.fabric.save(tmp, {"model": model, "optimizer": optimizer, "progress": progress,
+                                           "rng": rng_states(), **extra})
+                else:
+                    state = {"model": plain_state_dict(model), "optimizer": optimizer.state_dict(),
+                             "progress": progress, "rng": rng_states(),
+                             **{k: v.state_dict() for k, v in extra.items()}}
+                    buffer = io.BytesIO()
+                    torch.save(state, buffer)
+                    write_atomically(tmp, buffer.getvalue(), replace=False, then=kept)
+            except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
+                if lost_peer(err):
+                    raise  # not the disk: a process of the run is gone (signals.py says so)
+                remove(tmp)
+                fail(f"cannot write the checkpoint {tmp}: {write_error(err, tmp)}; {kept}.", code=1)
+        together(write)
+
+        def name_it():
+            if self.rank == 0:
+                try:
+                    os.replace(tmp, final)
+                except OSError as err:
+                    remove(tmp)
+                    fail(f"cannot write the checkpoint {final}: {write_error(err, final)}; {kept}.", code=1)
+                figures = {k: v for k, v in progress.items() if k != "partial"}  # plain JSON
+                write_atomically(self.folder / LATEST, json.dumps({"checkpoint": name, **meta, **figures}).encode(), then=kept)
+                for old in self.folder.glob("epoch-*.ckpt"):
+                    if old.name != name:
+                        remove(old)
+        self.last = final  # before the exchange: a process lost there can name it
+        together(name_it)
+        return time.perf_counter() - began
 
     def remove_all(self):
         """A finished run: nothing left to resume, and no empty folder left behind."""
         remove(self.folder / LATEST)
         for old in self.folder.glob("epoch-*.ckpt"):
             remove(old)
-        # the default folder's parent (checkpoints/) goes too when this run leaves it empty
-        default = self.args.checkpoint_dir_is_default
-        remove_empty_folders(self.folder, up_to=self.folder.parent.parent if default else self.folder.parent)
+        self.release()
 
 
 def rng_states():
+    """The random states: Python's, NumPy's, torch's CPU generator and this process's GPU (each
+    process uses one; a checkpoint continued where fewer GPUs are visible still fits)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     states = {"torch": torch.get_rng_state(), "python": random.getstate(),
               "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}  # plain, for weights_only
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
     return states
 
 
@@ -160,5 +274,39 @@ def set_rng_states(states):
     kind, keys, pos, has_gauss, cached = states["numpy"]
     np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     random.setstate(tuple(v if not isinstance(v, list) else tuple(v) for v in states["python"]))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        # a list: one state per visible GPU, as checkpoints before this one kept
+        torch.cuda.set_rng_state(cuda[torch.cuda.current_device() % len(cuda)] if isinstance(cuda, list) else cuda)
+
+
+class SkipFirst:
+    """A sampler that, for one pass, leaves out the first `count` indices of another (the batches
+    a run did before it stopped mid-epoch), then puts the random state back to where the run
+    stopped; it hands the batch sampler its own sampler back for the passes after."""
+
+    def __init__(self, batch_sampler, count, rng):
+        self.batch_sampler, self.original = batch_sampler, batch_sampler.sampler
+        self.count, self.rng = count, rng
+
+    def __len__(self):
+        return len(self.original)  # the epoch's batches, as the loop prints them
+
+    def __iter__(self):
+        self.batch_sampler.sampler = self.original
+        indices = iter(self.original)
+        for _ in range(self.count):
+            next(indices)
+        set_rng_states(self.rng)
+        yield from indices
+
+
+def continue_mid_epoch(train_loader, batches, rng):
+    """The loader's next pass starts after its first `batches` batches (a torch DataLoader, as
+    Fabric set it up, or a loader with a skip_first method, as 09's)."""
+    if hasattr(train_loader, "skip_first"):
+        train_loader.skip_first(batches)
+        set_rng_states(rng)
+        return
+    batch_sampler = train_loader.batch_sampler
+    batch_sampler.sampler = SkipFirst(batch_sampler, batches * batch_sampler.batch_size, rng)

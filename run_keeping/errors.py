@@ -1,16 +1,23 @@
 """One line and a documented exit code instead of a traceback, for every tool of the suite.
 
-Exit codes: 0 done; 1 a failed write (a full disk, no permission) or a NaN/inf loss; 2 bad input
-or machine (a flag, missing data or weights, an unusable file, a library too old); 3 a process
-of the run was lost (a machine died or was killed: continue with --resume); 130 Ctrl-C;
-143 SIGTERM.
+Exit codes: 0 done; 1 a failed write (a full disk, a read-only file system, no permission) or a
+NaN/inf loss; 2 bad input or machine (a flag, missing data or weights, an unusable file, a
+library too old, a launch that does not match the flags); 3 a process of the run was lost (a
+machine died or was killed: continue with --resume); 4 gpu_check.sh: a module the scripts import
+is missing; 130 Ctrl-C; 143 SIGTERM.
+
+Imported first by every script and tool (run_keeping/__init__.py), before the libraries load: a
+Ctrl-C or SIGTERM while they load, or before a run has started, ends in one line too.
 """
 import atexit
 import gc
 import os
 import re
+import signal
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
 
 # At exit the interpreter's last garbage collection walks every object torch, torchvision and
 # Lightning made, to free memory the OS takes back anyway: 1.5 s at the end of each run on a
@@ -20,27 +27,81 @@ from pathlib import Path
 atexit.register(gc.freeze)
 
 
-def fail(message, code=2):
-    """`<program>: error: <message>` on one line of stderr, then exit `code`; never a
-    traceback. The message is said whole: a reason is shortened only at a sentence's end."""
+_ending = [None]  # the code of the last Stopped: what the program ends with if none catches it
+
+
+class Stopped(SystemExit):
+    """What fail() raises once its line is printed: SystemExit(code). Uncaught, the program ends
+    with that code; a multi-process run catches it to stop every process together
+    (run_keeping/together.py)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        _ending[0] = code
+
+
+def program():
+    return Path(sys.argv[0]).name
+
+
+def fail(message, code=2, say=True):
+    """`<program>: error: <message>` on one line of stderr, then Stopped(code); never a
+    traceback. The message is said whole: a reason is shortened only at a sentence's end.
+    say=False: the line is left to another process of the run, which says the same."""
     message = " ".join(str(message).split())
-    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
-    leave(code)
+    if say:
+        print(f"{program()}: error: {message}", file=sys.stderr, flush=True)
+    raise Stopped(code)
+
+
+def multi_process_gloo():
+    """Whether this is one process of several talking over gloo (CPUs)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1 and dist.get_backend() != "nccl")
+
+
+_cleanups = []  # what a run lets go of on its way out (its checkpoint folder's lock)
+
+
+def on_exit(cleanup):
+    """Call `cleanup` when the program ends: by leave(), an uncaught Stopped or a traceback."""
+    _cleanups.append(cleanup)
+
+
+@atexit.register
+def clean_up():
+    while _cleanups:
+        try:
+            _cleanups.pop()()
+        except Exception:  # noqa: BLE001  a cleanup that fails must not hide why the run ended
+            pass
 
 
 def leave(code):
-    """Exit with `code`. A process of a multi-process run on gloo (CPUs) leaves at once, without
+    """Exit with `code`, once the run has let go of what it held (on_exit). A process of a multi-process run on gloo (CPUs) leaves at once, without
     the interpreter's shutdown: after a collective, gloo's worker thread releases its tensors a
     moment later, and during the shutdown that release aborts the process ("terminate called
     without an active exception"; pytorch/pytorch#190489), which left a torchrun node waiting
     at its exit barrier. Lightning tears NCCL groups down itself; anywhere else: SystemExit."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() \
-            and dist.get_world_size() > 1 and dist.get_backend() != "nccl":
+    clean_up()
+    if multi_process_gloo():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     raise SystemExit(code)
+
+
+@atexit.register
+def _leave_a_gloo_run_quickly():
+    """A multi-process gloo run ending by an uncaught Stopped or traceback: leave as leave()
+    does, with the code the program is ending with."""
+    if multi_process_gloo():
+        clean_up()
+        code = _ending[0] if _ending[0] is not None else 1 if getattr(sys, "last_value", None) else 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def first_sentence(text, limit=300):
@@ -65,3 +126,29 @@ def why_unloadable(err):
     if "failed finding central directory" in text or "PytorchStreamReader" in text:
         return "it is cut short or damaged (not a whole file that torch.save wrote)"
     return f"{type(err).__name__}: {first_sentence(text)}"
+
+
+# -- Ctrl-C and SIGTERM before a run has started -------------------------------------------------
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def stop_at_once(signum, frame=None):
+    """One line and 130 (Ctrl-C) or 143 (SIGTERM): nothing of a run exists yet to keep."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"\n{program()}: interrupted ({signal.Signals(signum).name}) while starting; nothing "
+          "was written.", file=sys.stderr, flush=True)
+    os._exit(EXIT_CODES[signum])
+
+
+def ours():
+    """Whether the running program is one of the suite's (not pytest or another importer)."""
+    try:
+        return sys.argv[0].endswith(".py") and Path(sys.argv[0]).resolve().parent in (ROOT, ROOT / "tools")
+    except (OSError, IndexError):
+        return False
+
+
+if ours():
+    for _signal in EXIT_CODES:
+        signal.signal(_signal, stop_at_once)

@@ -1,5 +1,7 @@
 """Files that are whole or absent: written beside their final name and renamed into place,
 records appended in one write; a failed write says which file and why in one line (exit 1)."""
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -8,18 +10,27 @@ from pathlib import Path
 from run_keeping.errors import fail
 
 
-def unwritable(path):
-    """Why `path` cannot be written, or None; creates nothing (a file, or the folders to come)."""
+def unwritable(path, folder=False):
+    """Why `path` cannot be written (a file, or with folder=True a folder to write into), or
+    None; creates nothing (a file, or the folders to come)."""
     path = Path(path).absolute()
-    if path.is_dir():
+    if path.is_dir() and not folder:
         return "it is a folder"
-    parent = path.parent
+    if path.exists() and not path.is_dir() and folder:
+        return "it is a file, not a folder"
+    parent = path if path.is_dir() else path.parent
     while not parent.exists():
         parent = parent.parent
     if not parent.is_dir():
-        return f"{parent} is not a folder"
+        return f"{parent} is a file, not a folder"
     target = path if path.exists() else parent
-    return None if os.access(target, os.W_OK) else f"permission denied on {target}"
+    if os.access(target, os.W_OK):
+        return None
+    try:
+        read_only = os.statvfs(target).f_flag & os.ST_RDONLY
+    except OSError:
+        read_only = False
+    return f"{target} is on a read-only file system" if read_only else f"permission denied on {target}"
 
 
 def write_error(err, path):
@@ -34,9 +45,10 @@ def write_error(err, path):
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
-def write_atomically(path, data, replace=True):
+def write_atomically(path, data, replace=True, then="nothing else was changed"):
     """`data` to `path`: written beside it and renamed into place (replace=False: written to
-    `path` itself), so the file is whole or absent. A failed write: one line, exit 1."""
+    `path` itself), so the file is whole or absent. A failed write: one line, exit 1, ending in
+    `then` (what was kept, and how to go on)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp") if replace else path
     try:
@@ -53,28 +65,36 @@ def write_atomically(path, data, replace=True):
             os.replace(tmp, path)
     except OSError as err:
         remove(tmp)
-        fail(f"cannot write {path}: {write_error(err, path)}; nothing else was changed.", code=1)
+        fail(f"cannot write {path}: {write_error(err, path)}; {then}.", code=1)
 
 
-def append_record(path, record):
-    """One JSON line, appended in one write, so the file stays valid JSONL even if the process is
-    killed; a failed write is cut off again, leaving the earlier records as they were."""
+def append_record(path, record, then=""):
+    """One JSON line, appended in one write under a lock, so the file stays valid JSONL whatever
+    else appends to it at the same time, or was left half-written there before (a last line
+    without its newline gets one first: the new record never joins it). A failed write is cut
+    off again, leaving the earlier records as they were; its line ends in `then`."""
     line = (json.dumps(record) + "\n").encode()
+    then = f" {then}" if then else ""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
     except OSError as err:
-        fail(f"cannot write the run record to {path}: {write_error(err, path)}.", code=1)
-    size = os.fstat(fd).st_size
+        fail(f"cannot write the run record to {path}: {write_error(err, path)}.{then}", code=1)
+    size = None
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in other processes wait here
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = b"\n" + line
         if os.write(fd, line) != len(line):
             raise OSError(28, "No space left on device")
     except OSError as err:
-        os.ftruncate(fd, size)
+        if size is not None:
+            os.ftruncate(fd, size)
         fail(f"cannot write the run record to {path}: {write_error(err, path)}; the earlier "
-             "records are as they were.", code=1)
+             f"records are as they were.{then}", code=1)
     finally:
-        os.close(fd)
+        os.close(fd)  # and with it the lock
 
 
 def read_records(path, skip=None, numbered=False):
@@ -98,14 +118,21 @@ def read_records(path, skip=None, numbered=False):
 
 
 def record_of(model_file, results):
-    """The newest run record in `results` that saved `model_file`, or None."""
+    """The newest run record in `results` that saved the model now in `model_file` (the same
+    path and, where the record has it, the same contents), or None."""
     try:
         records = read_records(results)
+        digest = sha256(Path(model_file).read_bytes())
     except (OSError, ValueError):
         return None
     wanted = Path(model_file).resolve()
     return next((r for r in reversed(records)
-                 if r.get("model_file") and Path(r["model_file"]).resolve() == wanted), None)
+                 if r.get("model_file") and Path(r["model_file"]).resolve() == wanted
+                 and r.get("model_sha256", digest) == digest), None)
+
+
+def sha256(data):
+    return hashlib.sha256(data).hexdigest()
 
 
 def remove(path):

@@ -1,6 +1,6 @@
 """The command line every numbered script shares, checked before any work starts: a bad value,
-a flag the run would ignore, or a batch larger than the training set is one line, exit 2."""
-import argparse
+a flag the run would ignore, a path that cannot be used or a batch larger than the training set
+is one line, exit 2."""
 import csv
 import inspect
 import os
@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from run_keeping.commands import Parser, check_path, invoked, whole_number
 from run_keeping.errors import fail
-from run_keeping.files import unwritable
+from run_keeping.launch import check_launch
 from run_keeping.timing import WARMUP_STEPS
+from run_keeping.together import collective_timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 # The talk trains 10 epochs from random init (00) and 3 finetuning (01-07); --smoke keeps that
@@ -21,6 +23,13 @@ SMOKE_GLOBAL_BATCH = 16   # --smoke splits the talk's batch of 16 across data-pa
 SYNTHETIC_STEPS = 20      # --synthetic trains this many steps (one epoch) unless --max-steps
 DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's loader reads
 VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit: the talk's, the memory sequel's
+MOST_WORKERS = 64         # --num-workers: loader processes, more than any machine here has cores
+# The settings that name a run's checkpoint folder and model file where they differ from the
+# script's defaults, so runs of other settings never share them (a --max-steps debugging run
+# never replaces the real model): (setting, how it is written in the name).
+NAMED_SETTINGS = (("seed", "seed{}"), ("epochs", "epochs{}"), ("batch_size", "batch{}"),
+                  ("max_steps", "max-steps{}"), ("world_size", "procs{}"),
+                  ("tensor_parallel", "tp{}"), ("vit", "{}"))
 
 
 def check_versions(script):
@@ -40,15 +49,6 @@ def check_versions(script):
         if Version(installed.split("+")[0]) < Version(found[2]):
             fail(f"{script} needs {found[1]} >= {found[2]} (requirements.txt says why); this is "
                  f"{installed}. pip install -r requirements.txt brings it.")
-
-
-def at_least(minimum):
-    def check(text):
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
-        return value
-    return check
 
 
 def describe(script):
@@ -77,35 +77,39 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, extra):
         "handwritten digits (32x32); docs/smoke.md")
     add("--synthetic", action="store_true", help="random images and labels of the run's shape, "
         "random init, nothing downloaded: for throughput and memory (no accuracy)")
-    add("--max-steps", type=at_least(1), metavar="N", help=f"train N batches per epoch "
-        f"(--synthetic: {SYNTHETIC_STEPS}, one epoch; more than {WARMUP_STEPS}, the untimed warm-up steps)")
-    add("--epochs", type=at_least(1), metavar="N",
+    add("--max-steps", type=whole_number(1), metavar="N", help=f"train N batches per epoch "
+        f"(--synthetic: {SYNTHETIC_STEPS}, one epoch; more than {WARMUP_STEPS}, the untimed "
+        "warm-up steps); a run cut short so is recorded as one, not as a result")
+    add("--epochs", type=whole_number(1), metavar="N",
         help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
     talks = ", the talk's" if batch_size == 16 else ""
-    add("--batch-size", type=at_least(1), metavar="N", help=f"per process (default {batch_size}"
+    add("--batch-size", type=whole_number(1), metavar="N", help=f"per process (default {batch_size}"
         f"{talks}; --smoke: {SMOKE_GLOBAL_BATCH} divided among the data-parallel processes)")
     if loader:
-        add("--num-workers", type=at_least(0), metavar="N", help="CIFAR-10 loader processes (default 4)")
+        add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N",
+            help="CIFAR-10 loader processes (default 4)")
     add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
     add("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
     add("--results", default="results/runs.jsonl", metavar="FILE", help="run records, one JSON "
         "line per run, appended (default results/runs.jsonl, under the current folder)")
     add("--save-model", metavar="PATH", help="where the finetuned model goes (default "
-        "models/<script>.pt, -smoke/-synthetic before .pt)")
+        "models/<run>.pt: the script, -smoke/-synthetic, then each setting that differs from "
+        "the defaults, as -seed1)")
     add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's; vit_l_16, "
         "304 M parameters, is the sequel's on memory); not with --smoke")
-    add("--seed", type=int, default=123, help="default 123, the talk's")
+    add("--seed", type=whole_number(0, 2**63 - 1), default=123, metavar="N",
+        help="default 123, the talk's")
     add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"],
         help="auto: the GPU if there is one, else the CPU with --smoke")
     if devices is not None:
         capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
-        add("--devices", type=at_least(1), metavar="N",
+        add("--devices", type=whole_number(1), metavar="N",
             help=f"processes (GPUs) per machine (default {devices}{capped})")
-        add("--num-nodes", type=at_least(1), default=1, metavar="N", help="machines")
+        add("--num-nodes", type=whole_number(1), default=1, metavar="N", help="machines")
     for flag, keywords in extra:
         add(flag, **keywords)
-    add("--checkpoint-dir", metavar="DIR", help="per-epoch checkpoints (default "
-        "checkpoints/<script>/, -smoke/-synthetic suffix); every machine must see it")
+    add("--checkpoint-dir", metavar="DIR", help="checkpoints to continue from (default "
+        "checkpoints/<run>/, named as the model file); every machine must see it")
     add("--resume", action="store_true", help="continue the run in --checkpoint-dir")
 
 
@@ -118,7 +122,7 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
     script = Path(sys.argv[0]).name
     check_versions(script)
     smoke_epochs = smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
-    parser = argparse.ArgumentParser(description=describe(script))
+    parser = Parser(description=describe(script))
     add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, [*flags, *brought_flags()])
     args = parser.parse_args()
     args.micro_batches = micro_batches
@@ -131,66 +135,98 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
         parser.error("--vit: a smoke run trains its own small ViT; drop it")
     args.vit = args.vit or "vit_b_16"
     args.num_workers = 4 if getattr(args, "num_workers", None) is None else args.num_workers
-    args.data_dir = args.data_dir or "data"
-    place_processes(args, parser, devices, script)
-    settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images)
-    suffix = f"-{args.kind}" if args.kind else ""
+    defaults = {"seed": 123, "vit": "vit_b_16"}
+    place_processes(args, parser, devices, defaults)
+    settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images, defaults)
+    args.run_name = run_name(script, args, defaults)
     args.checkpoint_dir_is_default = args.checkpoint_dir is None
-    args.checkpoint_dir = args.checkpoint_dir or os.path.join("checkpoints", Path(script).stem + suffix)
-    args.save_model = args.save_model or os.path.join("models", Path(script).stem + suffix + ".pt")
-    for flag, path in (("--results", args.results), ("--save-model", args.save_model)):
-        problem = unwritable(path)
-        if problem:
-            parser.error(f"{flag} {path} cannot be written: {problem}")
+    args.checkpoint_dir = args.checkpoint_dir or os.path.join("checkpoints", args.run_name)
+    args.save_model = args.save_model or os.path.join("models", args.run_name + ".pt")
+    check_path("--results", args.results)
+    check_path("--save-model", args.save_model)
+    check_path("--checkpoint-dir", args.checkpoint_dir, folder=True)
+    check_data_dir(args)
+    collective_timeout()
     return args
 
 
-def place_processes(args, parser, devices, script):
-    """The accelerator, the processes per machine and how they split into tensor- and
-    data-parallel groups."""
+def check_data_dir(args):
+    """--data-dir: a folder CIFAR-10 is in, or one that can be made and written to."""
+    args.data_dir = args.data_dir or "data"
+    if args.smoke or args.synthetic:
+        return
+    if Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in "
+             "(or is to be downloaded to)")
+    if not args.no_download:
+        check_path("--data-dir", args.data_dir, folder=True)
+
+
+def run_name(script, args, defaults):
+    """The name of a run's checkpoint folder and model file: the script, the kind of run, and
+    each setting that differs from the script's default (as -seed1 or -max-steps3)."""
+    parts = [Path(script).stem, args.kind]
+    parts += [spelling.format(getattr(args, key)) for key, spelling in NAMED_SETTINGS
+              if key in defaults and getattr(args, key) != defaults[key]]
+    return "-".join(part for part in parts if part)
+
+
+def place_processes(args, parser, devices, defaults):
+    """The accelerator, the processes per machine (checked against what the launcher started)
+    and how they split into tensor- and data-parallel groups."""
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.accelerator == "auto":
         if cuda_count == 0 and not args.smoke:
-            hint = " --smoke --resume to continue a smoke run" if args.resume else " --smoke"
-            parser.exit(2, f"{parser.prog}: error: no CUDA GPU found. A full run on a CPU takes "
-                           f"about a day: try python {script}{hint}, or add --accelerator cpu "
-                           "to insist.\n")
+            hint = invoked(*[a for a in sys.argv[1:] if a != "--resume"], "--smoke",
+                           *(["--resume"] if args.resume else []))
+            fail(f"no CUDA GPU found. A full run on a CPU takes about a day: try {hint}, or add "
+                 "--accelerator cpu to insist.")
         args.accelerator = "cuda" if cuda_count else "cpu"
+    default_devices = 1 if devices is None else devices
+    if devices is not None and args.smoke and args.accelerator == "cpu":
+        default_devices = min(devices, 2)  # 2 CPU processes show the technique on a laptop
     if devices is None:
         args.devices, args.num_nodes = 1, 1
     elif args.devices is None:
-        args.devices = devices
-        if args.smoke and args.accelerator == "cpu":
-            args.devices = min(devices, 2)  # 2 CPU processes show the technique on a laptop
+        args.devices = default_devices
     if args.accelerator == "cuda" and args.devices > cuda_count:
         asked = f"--devices {args.devices}" if devices else "--accelerator cuda"
-        parser.exit(2, f"{parser.prog}: error: asked for {args.devices} GPU(s) per machine "
-                       f"({asked}) but this machine has {cuda_count}.\n")
+        fail(f"asked for {args.devices} GPU(s) per machine ({asked}) but this machine has {cuda_count}.")
+    cores = os.cpu_count() or 1
+    if args.accelerator == "cpu" and args.devices > max(4, cores):
+        parser.error(f"--devices {args.devices}: on a CPU each process needs a core; this machine "
+                     f"has {cores}")
+    check_launch(args, invoked, takes_devices=devices is not None)
     args.world_size = args.devices * args.num_nodes
     args.tensor_parallel = getattr(args, "tensor_parallel", 1)
     if args.world_size % args.tensor_parallel:
         parser.error(f"--tensor-parallel {args.tensor_parallel} does not divide the "
                      f"{args.world_size} processes (--devices x --num-nodes)")
     args.data_parallel = args.world_size // args.tensor_parallel  # replicas that split the batch
+    defaults["world_size"] = default_devices
+    defaults["tensor_parallel"] = next((kw["default"] for flag, kw in brought_flags()
+                                        if flag == "--tensor-parallel"), 1)
 
 
-def settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images):
+def settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images, defaults):
     """Epochs, steps and the batch, with what a smoke run's batch is said to be."""
-    if args.epochs is None:
-        args.epochs = 1 if args.synthetic else smoke_epochs if args.smoke else epochs
+    default_epochs = 1 if args.synthetic else smoke_epochs if args.smoke else epochs
+    args.epochs = args.epochs or default_epochs
+    defaults["max_steps"] = SYNTHETIC_STEPS if args.synthetic else None
     if args.synthetic and args.max_steps is None:
         args.max_steps = SYNTHETIC_STEPS
     if args.synthetic and args.max_steps <= WARMUP_STEPS and args.epochs == 1:
         parser.error(f"--synthetic measures throughput after {WARMUP_STEPS} untimed warm-up "
                      f"steps: give --max-steps {WARMUP_STEPS + 1} or more")
     talks, replicas = SMOKE_GLOBAL_BATCH, args.data_parallel
-    if args.batch_size is None:
-        args.batch_size = max(1, talks // replicas) if args.smoke else batch_size
+    default_batch = max(1, talks // replicas) if args.smoke else batch_size
+    args.batch_size = args.batch_size or default_batch
+    defaults.update(epochs=default_epochs, batch_size=default_batch)
     if args.batch_size % args.micro_batches:
         parser.error(f"--batch-size {args.batch_size}: this script trains on it in {args.micro_batches} "
                      f"equal micro-batches, so it must divide by {args.micro_batches}")
     args.batch_note = ""
-    if args.smoke and talks % replicas and args.batch_size == max(1, talks // replicas):
+    if args.smoke and talks % replicas and args.batch_size == default_batch:
         args.batch_note = (f" The batch is {args.batch_size} per data-parallel process, "
                            f"{args.batch_size * replicas} in all, not the talk's {talks}: {talks} "
                            f"does not divide by {replicas}.")
@@ -200,3 +236,4 @@ def settle_sizes(args, parser, epochs, smoke_epochs, batch_size, train_images):
                      f"{args.kind or 'full'} run make no batch of {args.batch_size} for each of "
                      f"{replicas} data-parallel process(es) (the last partial batch is dropped); "
                      f"the largest that works is {images // replicas}")
+    args.whole = args.synthetic or args.max_steps is None  # --max-steps cuts a real run short

@@ -17,17 +17,53 @@ def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
 
 
+def held_line(held, whole):
+    """How many parameters each process holds, of the model's `whole`."""
+    if len(set(held)) == 1 and held[0] == whole:
+        return f"Parameters held per process: each of the {len(held)} processes holds all {whole:,}"
+    return "Parameters held per process: " + ", ".join(f"{n:,}" for n in held) + f" of {whole:,}"
+
+
 def plain_state_dict(model):
     """The model's whole state dict on the CPU, with the keys of torchvision's model: FSDP2's
     shards gathered (every process must call this), torch.compile's "_orig_mod." dropped."""
     # gathering a 2-D (tensor x data parallel) shard warns that it takes two steps
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    state = {}
+    state, cpu_meshes = {}, {}
     for key, value in model.state_dict().items():
         if hasattr(value, "full_tensor"):  # a DTensor: a shard of an FSDP2 parameter
-            value = value.full_tensor()
+            value = whole(value, cpu_meshes)
         state[key.replace("_orig_mod.", "")] = value.detach().cpu()
     return state
+
+
+def whole(dtensor, cpu_meshes):
+    """A DTensor's whole tensor, gathered from every process. A shard in CPU memory (FSDP2's CPU
+    offload, 15) on a mesh whose process group has no backend for the CPU (NCCL takes only GPU
+    tensors: "No backend type associated with device type cpu") is gathered where it lies, over
+    gloo, in a group of the same processes made for it. torch's own full state dict moves such a
+    shard to the GPU instead (torch/distributed/_state_dict_utils.py), holding each whole tensor
+    in GPU memory for a moment; a gather in CPU memory needs none."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    mesh = dtensor.device_mesh
+    if mesh.ndim == 1 and not has_backend(mesh.get_group(), dtensor.device):
+        if id(mesh) not in cpu_meshes:
+            ranks = dist.get_process_group_ranks(mesh.get_group())
+            cpu_meshes[id(mesh)] = DeviceMesh.from_group(dist.new_group(ranks, backend="gloo"), "cpu")
+        dtensor = DTensor.from_local(dtensor.to_local(), cpu_meshes[id(mesh)], dtensor.placements,
+                                     shape=dtensor.shape, stride=dtensor.stride(), run_check=False)
+    return dtensor.full_tensor()
+
+
+def has_backend(group, device):
+    """Whether a process group can run collectives on `device`'s tensors."""
+    try:
+        group._get_backend(device)
+        return True
+    except RuntimeError:
+        return False
 
 
 def load_state_dict(model, state):

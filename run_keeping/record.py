@@ -9,17 +9,32 @@ from datetime import datetime, timezone
 
 import torch
 
+WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
+             "synthetic": "{vit} from random init on random images and labels",
+             "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
 STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
               "ModelParallelStrategy": "fsdp2-per-block", "FSDPStrategy": "fsdp"}
 
 
+def kind_line(args):
+    """What a smoke or synthetic run is, said before its training and again at its end."""
+    from run_keeping.flags import VITS
+    what = WHAT_RUNS[args.kind].format(init=getattr(args, "init", "random init"), vit=VITS[args.vit])
+    return (f"{args.kind.upper().replace('-', '+')} RUN on {device_name(args.accelerator)}: {what}. "
+            f"Not the talk's experiment; its figures are not the talk's.{getattr(args, 'batch_note', '')}")
+
+
 def techniques(model, optimizer, fabric):
     """What the memory arithmetic needs that the precision and strategy do not say: the optimizer,
-    whether blocks are checkpointed, and the parallelize function (15's offloads)."""
+    whether blocks are checkpointed, the parallelize function, and the FSDP2 units and how many
+    of them keep their shards in CPU memory (15's offload), as the model carries them."""
+    from run_keeping.devices import fsdp_units
     parallelize = getattr(getattr(fabric, "strategy", None), "_parallelize_fn", None)
+    units, offloaded = fsdp_units(model)
     return {"optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
             "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
-            "parallelize": getattr(parallelize, "__name__", None)}
+            "parallelize": getattr(parallelize, "__name__", None),
+            "fsdp2_units": units, "cpu_offload_units": offloaded}
 
 
 def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
@@ -32,7 +47,8 @@ def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
     return {
         "script": args.script, "kind": args.kind or "full", "smoke": args.smoke,
         "synthetic": args.synthetic, "init": getattr(args, "init", None),
-        "resumed": keeper.resumed, "accelerator": args.accelerator,
+        "whole": args.whole, "cut_short_by": None if args.whole else f"--max-steps {args.max_steps}",
+        "resumed": keeper.resumed, "launcher": launcher(fabric), "accelerator": args.accelerator,
         "device_name": device_name(args.accelerator), "devices": args.devices,
         "num_nodes": args.num_nodes, "world_size": keeper.world_size,
         "data_parallel_size": args.data_parallel, "tensor_parallel_size": args.tensor_parallel,
@@ -51,11 +67,18 @@ def make_record(args, fabric, keeper, totals, images_per_s, memory, test_acc):
         "val_acc": None if args.synthetic else keeper.val_acc,
         "test_acc": None if args.synthetic else test_acc,
         "model_file": str(args.save_model), "compiled": compiled(),
+        "checkpoint_s": keeper.checkpoint_s,
         "torch": torch.__version__, "torchvision": version("torchvision"),
         "lightning": version("lightning"), "python": platform.python_version(),
         "hostname": socket.gethostname(),
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def launcher(fabric):
+    """Which launcher started the run's processes (Lightning's name for it), or None."""
+    environment = getattr(getattr(fabric, "strategy", None), "cluster_environment", None)
+    return type(environment).__name__ if environment is not None else None
 
 
 def compiled():

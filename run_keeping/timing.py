@@ -45,6 +45,18 @@ class StepMeter:
             if self.session_steps == WARMUP_STEPS and self.cuda:
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
 
+    def partial(self):
+        """The epoch so far, for a checkpoint written mid-epoch (read back from the device)."""
+        e = self.epoch
+        return {"steps": e["steps"], "lr": e["lr"],
+                **{k: float(e[k]) for k in ("loss", "index", "bad", "bad_loss")}}
+
+    def restore(self, partial):
+        """The epoch so far as a checkpoint written mid-epoch kept it; its timing starts again."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
+                      "steps": partial["steps"], "lr": partial["lr"], "timer": None, "timed": 0}
+
     def end_epoch(self, epoch_number):
         """The epoch's mean loss (a tensor on the CPU) and its learning rate; stops on a bad loss."""
         self.stop_on_bad_loss(epoch_number)

@@ -38,21 +38,57 @@ def test_peak_tflops_per_precision_overrides_the_table():
     assert benchmark.peak_tflops("CPU Xeon", "32-true", {}) is None  # no GPU here: no MFU
 
 
+def round_records(script, precision, rates, processes=1, batch=16):
+    """A configuration's records over the rounds: what its script appended in each."""
+    return [{"script": script, "batch_size": batch, "precision": precision, "world_size": processes,
+             "strategy": "single-device" if processes == 1 else "ddp", "images_per_s": rate,
+             "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"} for rate in rates]
+
+
 def test_mfu_and_ratios_in_the_rows():
+    """Each ratio is formed round by round (01 and the script in the same round, the script and
+    its bare loop in the same round), reported as the median and its range; MFU from the
+    median; a configuration whose bare loops disagree is marked busy, a ratio whose spread is
+    wider than its difference from 1 within noise."""
     args = benchmark.parse_args([])
-    runs = [{"script": "01_pytorch-vit.py", "batch_size": 16, "precision": "32-true",
-             "strategy": "single-device", "world_size": 1, "images_per_s": 100.0,
-             "peak_memory_gb": 3.7, "device_name": "NVIDIA H200"},
-            {"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16,
-             "precision": "bf16-mixed", "strategy": "single-device", "world_size": 1,
-             "images_per_s": 300.0, "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"}]
-    bares = {benchmark.bare_key(runs[1]): {"images_per_s": 400.0, "peak_memory_gb": 2.9}}
-    rows = benchmark.rows_of(runs, bares, 105e9, args)
-    assert [r["script"] for r in rows] == ["01_pytorch-vit.py", "04_fabric-vit-mixed-precision.py",
-                                           "bare loop"]
-    assert rows[1]["vs_01"] == 3.0 and rows[1]["vs_bare"] == 0.75
-    assert rows[1]["mfu"] == pytest.approx(300 * 105e9 / 989.5e12)
-    assert rows[0]["mfu"] == pytest.approx(100 * 105e9 / 67e12) and rows[0]["vs_bare"] is None
+    measured = {
+        ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 110, 90]), "bares": []},
+        ("03_fabric-vit.py", 16): {"records": round_records("03_fabric-vit.py", "32-true", [99, 112, 89]), "bares": []},
+        ("04_fabric-vit-mixed-precision.py", 16): {
+            "records": round_records("04_fabric-vit-mixed-precision.py", "bf16-mixed", [300, 330, 270]),
+            "bares": [{"images_per_s": b, "peak_memory_gb": 2.9} for b in (400, 440, 300)]},
+        ("05_fabric-vit-mixed-ddp.py", 16): {
+            "records": round_records("05_fabric-vit-mixed-ddp.py", "bf16-mixed", [500, 520, 480], processes=2), "bares": []}}
+    rows = {(r["script"], r.get("of")): r for r in benchmark.rows_of(measured, 105e9, args)}
+    four = rows[("04_fabric-vit-mixed-precision.py", None)]
+    assert four["vs_01"] == (3.0, 3.0, 3.0)  # 300/100, 330/110, 270/90: the same in every round
+    assert four["vs_bare"] == (0.75, 0.75, 0.9)
+    assert four["images_per_s"] == (300, 270, 330)
+    assert four["mfu"] == pytest.approx(300 * 105e9 / 989.5e12)
+    assert four["busy"] and "busy: its bare loops differ by 47%" in "\n".join(benchmark.markdown_table(list(rows.values())))
+    three = rows[("03_fabric-vit.py", None)]
+    assert three["noise"] and not four["noise"]  # 0.99-1.02 around 0.99: cannot be told from 1
+    assert rows[("05_fabric-vit-mixed-ddp.py", None)]["vs_01"] == (None, None, None)  # 2 processes: no 01 on 2
+    bare = rows[("bare loop", "04_fabric-vit-mixed-precision.py")]
+    assert bare["images_per_s"] == (400, 300, 440) and bare["mfu"] == pytest.approx(400 * 105e9 / 989.5e12)
+    chosen, order = benchmark.ranking(list(rows.values()))
+    assert order == "04 > 01 = 03"
+
+
+def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
+    args = benchmark.parse_args(["--smoke"])
+    measured = {
+        ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 100, 100]),
+                                    "bares": [{"images_per_s": b, "peak_memory_gb": 1.0} for b in (120, 60, 121)]},
+        ("04_fabric-vit-mixed-precision.py", 16): {"records": round_records("04_fabric-vit-mixed-precision.py", "bf16-mixed", [70, 71, 69]), "bares": []}}
+    for record in (r for runs in measured.values() for r in runs["records"]):
+        record["device_name"] = "CPU Intel(R) Xeon(R) Processor (2 cores)"
+    lines = benchmark.verdict(benchmark.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
+    text = "\n".join(lines)
+    assert "From fastest to slowest (one process, batch 16; =: not told apart" in text and ": 01 > 04." in text
+    assert "BUSY MACHINE: the bare loops of one configuration ran up to 102% apart" in text
+    assert f"--repeat {2 * args.repeat} --max-steps {2 * args.max_steps}" in text
+    assert "What it cannot say: anything about a GPU" in text and "mostly its libraries" in text
 
 
 def without_the_interpreter_on_path(tmp_path):
@@ -135,7 +171,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
 def test_the_talks_speedups_and_memory_beside_ours():
     """gpu_check's comparison: the talk's figures come from talk_reference.csv."""
     from plot_results import load_reference
-    rows = [{"script": benchmark.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": v, "memory_gb": m}
+    rows = [{"script": benchmark.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": (v, v, v), "memory_gb": m}
             for n, v, m in (("01", 1.0, 3.5), ("02", 1.1, 3.6), ("03", 0.99, 3.5), ("04", 3.0, 2.9))]
     lines = benchmark.talk_comparison(rows, load_reference())[2:]
     talk = [(line.split(" | ")[2], line.split(" | ")[4].rstrip(" |")) for line in lines]
@@ -162,7 +198,9 @@ def test_tensor_parallel_script_is_known_with_its_layout():
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
     record = {"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
               "tensor_parallel_size": 2, "batch_size": 16}
-    assert benchmark.bare_key(record) == ("bf16-mixed", "tensor-parallel+fsdp2", 2, 2, 16)
+    assert benchmark.bare_spec(record) == {
+        "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
+        "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None}
 
 
 FREED_BUT_RESIDENT = """
@@ -195,20 +233,23 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     assert resident_after_free(**benchmark_memory.EXACT_MALLOC) < 50
 
 
-@pytest.mark.parametrize("gpus", [1, 2])
-def test_gpu_check_runs_10_only_with_two_gpus(tmp_path, gpus):
+@pytest.mark.parametrize("seen, listed", [(1, 1), (2, 2), (1, 2)])
+def test_gpu_check_runs_10_only_where_the_scripts_see_two_gpus(tmp_path, seen, listed):
     """gpu_check.sh on a GPU machine, with nvidia-smi and the interpreter stood in for (no GPU
-    here): the report names the GPU; 10 runs with 2 GPUs, and on 1 it is left out, saying why."""
+    here): the report names the GPU; 10 runs where torch sees 2 GPUs, as the scripts count them,
+    and is left out, saying why, where it sees 1, also when nvidia-smi lists 2
+    (CUDA_VISIBLE_DEVICES=0 on a 2-GPU machine)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * gpus)
-    python = bin_dir / "python-stand-in"  # records what benchmark.py was asked, writes its report
-    python.write_text('#!/bin/sh\necho "$@" >> "$ARGS"\nwhile [ $# -gt 0 ]; do\n'
+    smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * listed)
+    python = bin_dir / "python-stand-in"  # the preflight passes, torch counts $GPUS, benchmark.py
+    python.write_text('#!/bin/sh\ncase "$1" in */tools/preflight.py) exit 0 ;; -c) echo "$GPUS"; exit 0 ;; esac\n'
+                      'echo "$@" >> "$ARGS"\nwhile [ $# -gt 0 ]; do\n'  # records what it was asked
                       '  [ "$1" = --report ] && echo "| the table of $2 |" > "$2"\n  shift\ndone\n')
     for tool in (smi, python):
         tool.chmod(0o755)
-    env = script_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+    env = script_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GPUS=str(seen),
                      PYTHON=str(python), ARGS=str(tmp_path / "args"), GPU_CHECK_DIR=str(tmp_path / "out"))
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh")], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=60)
@@ -220,10 +261,40 @@ def test_gpu_check_runs_10_only_with_two_gpus(tmp_path, gpus):
     assert [c.split("benchmark.py ")[1].split(" --results")[0] for c in calls[1:]] == \
         ["--memory --talk", "--memory --sequel"]
     skipped = "10_fabric-vit-tensor-parallel.py skipped: tensor parallelism splits each MLP across 2 GPUs, and this machine has 1."
-    assert ("10" in scripts) == (gpus == 2) and (skipped in proc.stderr) == (gpus == 1)
+    assert ("10" in scripts) == (seen == 2) and (skipped in proc.stderr) == (seen == 1)
     report = (tmp_path / "out" / "gpu-check.md").read_text()
-    assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB" in report
+    assert f"GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: {seen}" in report
     assert "| the table of" in report and report.count("| the table of") == 3
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "gpu-check.md", "memory-sequel.md", "memory-talk.md", "throughput.md"]
+
+
+BLOCK_IPYTHON = """
+import sys
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "IPython":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Missing())
+"""
+
+
+@pytest.mark.slow
+def test_gpu_check_first_names_a_missing_module_and_its_wheel(tmp_path):
+    """A machine without IPython (which watermark needs, as the H200 machine lacked): before
+    anything runs, one line naming the module, what needs it and the wheel to install, exit 4,
+    not the "no GPU" of exit 2; nothing written."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_IPYTHON)
+    env = script_env(tmp_path, PYTHONPATH=str(site), GPU_CHECK_DIR=str(tmp_path / "out"))
+    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "--smoke"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("preflight: error: missing: watermark (it needs IPython)")
+    assert "pip install ipython" in lines[0]
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_memory_lessons_are_known_with_their_processes():

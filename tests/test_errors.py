@@ -21,15 +21,18 @@ def argv(monkeypatch):
     (["--epochs", "0"], "argument --epochs: must be 1 or more, got 0"),
     (["--batch-size", "0"], "argument --batch-size: must be 1 or more, got 0"),
     (["--num-workers", "-1"], "argument --num-workers: must be 0 or more, got -1"),
-    (["--max-steps", "x"], "argument --max-steps: invalid"),
+    (["--max-steps", "x"], "argument --max-steps: must be a whole number, got 'x'"),
+    (["--epochs", "abc"], "argument --epochs: must be a whole number, got 'abc'"),
     (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu'"),
 ])
 def test_bad_flag_values(argv, capsys, flags, message):
+    """One line, not argparse's usage block: the program, the flag, what is wrong, where --help is."""
     with pytest.raises(SystemExit) as exit_info:
         argv("--smoke", *flags)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: ") and message in err
+    assert err.count("\n") == 1 and err.startswith("01_pytorch-vit.py: error: ") and message in err
+    assert err.strip().endswith("python 01_pytorch-vit.py --help lists the flags")
 
 
 def test_results_path_that_cannot_be_written(argv, capsys, tmp_path):

@@ -47,7 +47,7 @@ def test_fsdp_shards_the_model_across_two_processes(smoke_runs):
         assert 0.45 * total <= n <= 0.55 * total  # each about half of it
     assert record["test_acc"] >= 0.85
     # and says so on the screen, so the sharding is visible on a laptop
-    assert f"Parameters held per process: {held[0]:,} + {held[1]:,} of {total:,}" in run.out
+    assert f"Parameters held per process: {held[0]:,}, {held[1]:,} of {total:,}" in run.out
 
 
 @pytest.mark.slow

@@ -88,14 +88,20 @@ def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
     assert record["parameters_per_process"] == [85806346, 85806346]  # ViT-B/16, 10 classes
 
     # the finetuned model: one file that plain PyTorch and torchvision load, as the README shows
+    # (named by the settings that differ from the talk's: it is no talk's run, and cut short)
     path = tmp_path / record["model_file"]
-    assert record["model_file"] == "models/05_fabric-vit-mixed-ddp.pt"
+    assert record["model_file"] == "models/05_fabric-vit-mixed-ddp-epochs1-batch1-max-steps1-procs2.pt"
+    assert (record["whole"], record["cut_short_by"]) == (False, "--max-steps 1")
     model = vit_b_16()
     model.heads.head = torch.nn.Linear(768, 10)
     model.load_state_dict(torch.load(path))
-    # 08 loads it with Fabric on one device and finds the training run's test accuracy again
+    # 08 takes no cut-short run as "the newest model"; given it, it loads it with Fabric on one
+    # device and finds the training run's test accuracy again
+    passed = run_script("08_load-and-evaluate.py", "--accelerator", "cpu", "--no-download",
+                        "--num-workers", "0", cwd=tmp_path, env=env, timeout=300)
+    assert passed.returncode == 2 and f"Passed over, as cut short by --max-steps: {record['model_file']}" in passed.stderr
     proc = run_script("08_load-and-evaluate.py", "--accelerator", "cpu", "--no-download",
-                      "--num-workers", "0", cwd=tmp_path, env=env, timeout=300)
+                      "--num-workers", "0", "--model", record["model_file"], cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Test accuracy {record['test_acc'] * 100:.2f}%" in proc.stdout
     assert "in bf16-mixed (saved by 05_fabric-vit-mixed-ddp.py" in proc.stdout

@@ -20,12 +20,15 @@ def plot(*flags, cwd):
 
 
 def table_rows(stdout):
-    """{script: [columns]} from the printed table."""
+    """{script: [columns]} from the printed table: its 11 figures, then its settings (one string);
+    a script with runs of several settings: {script [settings]: ...} for each."""
     rows = {}
     for line in stdout.splitlines():
         if re.match(r"^\d\d_\S+\.py\s", line):
-            name, *columns = line.split()
-            rows[name] = columns
+            name, *columns = line.split(maxsplit=12)
+            columns[-1:] = [columns[-1]] if len(columns) == 12 else columns[-1:] + ["-"]
+            key = name if name not in rows else f"{name} [{columns[11]}]"
+            rows[key] = columns
     return rows
 
 
@@ -57,13 +60,18 @@ def test_chart_and_table_from_real_smoke_runs(smoke_records, tmp_path):
     assert list(rows) == sorted(records)
     ips01 = records["01_pytorch-vit.py"]["images_per_s"]
     for script, r in records.items():
-        time_min, talk_time, acc, talk_acc, mem, talk_mem, ips, speedup, talk_speedup, n, spread = rows[script]
+        time_min, talk_time, acc, talk_acc, mem, talk_mem, ips, speedup, talk_speedup, n, spread, settings = rows[script]
         assert (n, spread) == ("1", "-")  # one seed each
         assert time_min == f"{r['train_time_s'] / 60:.2f}"
         assert acc == f"{r['test_acc'] * 100:.2f}"
         assert mem == f"{r['peak_memory_gb']:.2f}"
         assert ips == f"{r['images_per_s']:.1f}"
-        assert speedup == f"{r['images_per_s'] / ips01:.2f}x"  # one meaning, as benchmark.py's
+        assert settings.startswith(r["init"].split(",")[0])  # what its model started from
+        if r["world_size"] == 1:  # one meaning, as benchmark.py's: over 01 of the same settings
+            assert speedup == f"{r['images_per_s'] / ips01:.2f}x"
+        else:  # 2 processes, where 01 ran on 1: no ratio, and the table says why
+            assert speedup == "-" and f"{r['world_size']} processes" in settings
+    assert "no speedup for 05, 06, 07, 10, 15: no 01 run of the same kind, batch, model and processes" in proc.stdout
     # the talk's figures beside ours, from the reference file
     assert rows["04_fabric-vit-mixed-precision.py"][1] == "6.36"
     assert rows["06_fabric-vit-mixed-fsdp.py"][3] == "96.22"
@@ -151,12 +159,15 @@ def test_the_readmes_example_log(tmp_path):
 
 
 def fake_records(with_throughput=True):
+    """{(script, configuration): record}, as plot_results.select keys them."""
     records = {}
     for i, script in enumerate(SCRIPTS):
-        records[script] = {"script": script, "train_time_s": 1000.0 + 111 * i,
-                           "peak_memory_gb": 3.0 + 0.1 * i, "test_acc": 0.9 + 0.001 * i,
-                           "images_per_s": (350.0 + 10 * i) if with_throughput else None,
-                           "device_name": "NVIDIA H200", "world_size": 1}
+        record = {"script": script, "train_time_s": 1000.0 + 111 * i,
+                  "peak_memory_gb": 3.0 + 0.1 * i, "test_acc": 0.9 + 0.001 * i,
+                  "images_per_s": (350.0 + 10 * i) if with_throughput else None,
+                  "device_name": "NVIDIA H200", "world_size": 1, "batch_size": 16, "model": "vit_b_16",
+                  "kind": "full", "init": "ImageNet-pretrained, IMAGENET1K_V1"}
+        records[(script, plot_results.configuration(record))] = record
     return records
 
 
@@ -179,7 +190,7 @@ def test_eight_scripts_without_overlaps():
 def test_the_title_and_legend_fit_and_say_only_what_is_drawn(count):
     """A smoke chart of one script is 900 pixels wide: its title lines wrap to fit inside the
     figure, and a legend of single runs promises no spread across seeds."""
-    records = {script: dict(r, smoke=True, kind="smoke") for script, r in
+    records = {key: dict(r, smoke=True, kind="smoke") for key, r in
                list(fake_records().items())[4:4 + count] or list(fake_records().items())[:count]}
     fig = plot_results.figure(records, plot_results.load_reference(), "smoke")
     fig.canvas.draw()
@@ -263,10 +274,10 @@ def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
     assert rows["00_pytorch-vit-random-init.py"][2] == "93.00"  # the mean
-    assert rows["00_pytorch-vit-random-init.py"][9:] == ["3", "90.00-96.00"]
-    assert rows["03_fabric-vit.py"][9:] == ["1", "-"]
+    assert rows["00_pytorch-vit-random-init.py"][9:11] == ["3", "90.00-96.00"]
+    assert rows["03_fabric-vit.py"][9:11] == ["1", "-"]
     assert rows["01_pytorch-vit.py"][7] == "1.00x"  # speedup of the means
-    kind, latest = plot_results.select(records, "smoke")
+    kind, latest, _ = plot_results.select(records, "smoke")
     fig = plot_results.figure(latest, plot_results.load_reference(), kind)
     accuracy = next(ax for ax in fig.axes if "accuracy" in ax.get_title())
     errorbars = next(c for c in accuracy.containers if type(c).__name__ == "ErrorbarContainer")
@@ -275,12 +286,20 @@ def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
         [(90.0, 96.0), (95.0, 97.0), (96.0, 96.0)]
 
 
-def test_the_headline_says_how_many_processes_and_what_smoke_loads():
+def test_the_headline_says_how_many_processes_and_each_label_what_ran():
     records = fake_records()
-    records["05_fabric-vit-mixed-ddp.py"]["world_size"] = 2
+    next(r for r in records.values() if r["script"].startswith("05"))["world_size"] = 2
     assert plot_results.hardware(records) == "NVIDIA H200, 1 or 2 processes per run"
-    label = plot_results.short_label("01_pytorch-vit.py", plot_results.load_reference(), "smoke")
+    reference = plot_results.load_reference()
+    smoke = {"script": "01_pytorch-vit.py", "init": "pretrained on printed digits, smoke_weights/x.pt",
+             "batch_size": 16, "world_size": 1, "model": "smoke ViT"}
+    label = plot_results.short_label(smoke, reference)
     assert "printed digits" in label and "ImageNet" not in label
+    synthetic = dict(smoke, init="random init")  # a synthetic run starts from random init
+    label = plot_results.short_label(synthetic, reference)
+    assert "random init" in label and "printed" not in label and "pretrained" not in label.lower()
+    big = dict(smoke, script="05_fabric-vit-mixed-ddp.py", batch_size=128, world_size=2)
+    assert plot_results.short_label(big, reference).endswith("batch 128\n2 processes")
 
 
 def test_every_numbered_training_script_can_be_charted():
@@ -289,3 +308,40 @@ def test_every_numbered_training_script_can_be_charted():
     training = sorted(p.name for p in ROOT.glob("[01][0-9]_*.py") if not p.name.startswith("08"))
     assert [s for s in training if s not in known] == []
     assert known["09_fabric-vit-fast.py"]["time_min"] is None
+
+
+def gpu_check_like_records():
+    """Records as gpu_check.sh leaves them: synthetic, most at batch 16 on one process, 01 and
+    04 also at batch 128, 09 at 128, 05 on 2 processes; and one debugging run cut short."""
+    def run(script, batch, processes, images_per_s, **more):
+        return {"script": script, "kind": "synthetic", "synthetic": True, "batch_size": batch,
+                "world_size": processes, "model": "vit_b_16", "init": "random init",
+                "images_per_s": images_per_s, "train_time_s": 10.0, "peak_memory_gb": 3.0,
+                "test_acc": None, "device_name": "NVIDIA H200", "seed": 123, **more}
+    return [run("01_pytorch-vit.py", 16, 1, 300.0), run("02_pytorch-vit-compile.py", 16, 1, 330.0),
+            run("01_pytorch-vit.py", 128, 1, 800.0), run("04_fabric-vit-mixed-precision.py", 128, 1, 2000.0),
+            run("09_fabric-vit-fast.py", 128, 1, 2400.0), run("05_fabric-vit-mixed-ddp.py", 16, 2, 1100.0),
+            run("03_fabric-vit.py", 16, 1, 5.0, whole=False, cut_short_by="--max-steps 3")]
+
+
+def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
+    """02 (batch 16) against 01 at batch 16, 09 and 04 (batch 128) against 01 at 128, none for 05
+    (2 processes; no 01 on 2); each of 01's two batches its own bar; the run cut short left out,
+    and said so, unless --all."""
+    path = tmp_path / "gpu-check.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in gpu_check_like_records()))
+    proc = plot("--results", str(path), "--synthetic", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout)
+    speedups = {name: columns[7] for name, columns in rows.items()}
+    assert speedups == {"01_pytorch-vit.py": "1.00x", "01_pytorch-vit.py [random init, batch 128]": "1.00x",
+                        "02_pytorch-vit-compile.py": "1.10x", "04_fabric-vit-mixed-precision.py": "2.50x",
+                        "05_fabric-vit-mixed-ddp.py": "-", "09_fabric-vit-fast.py": "3.00x"}, speedups
+    assert "no speedup for 05: no 01 run of the same kind, batch, model and processes" in proc.stdout
+    assert "left out, cut short by --max-steps 3" in proc.stdout and "03_fabric-vit.py seed 123" in proc.stdout
+    everything = plot("--results", str(path), "--synthetic", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
+    assert "03_fabric-vit.py" in table_rows(everything.stdout) and "left out" not in everything.stdout
+    kind, latest, _ = plot_results.select(gpu_check_like_records(), "synthetic")
+    labels = [plot_results.short_label(r, plot_results.load_reference()) for r in latest.values()]
+    assert all("random init" in label for label in labels)
+    assert sum("batch 128" in label for label in labels) == 3 and sum("2 processes" in label for label in labels) == 1

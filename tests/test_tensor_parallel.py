@@ -57,7 +57,7 @@ def test_each_process_holds_half_of_each_mlp(smoke_runs):
     run = smoke_runs(TP)
     total, held = smoke_parameters()
     assert run.record["parameters_per_process"] == [held, held]
-    assert f"Parameters held per process: {held:,} + {held:,} of {total:,}" in run.out
+    assert f"Parameters held per process: {held:,}, {held:,} of {total:,}" in run.out
     assert run.record["strategy"] == "tensor-parallel+fsdp2"
 
 

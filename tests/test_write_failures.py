@@ -2,12 +2,14 @@
 the half-written file removed, and everything written before untouched."""
 import errno
 import os
+import subprocess
+import sys
 
 import pytest
 
 from run_keeping.checkpoints import LATEST
 from run_keeping.files import append_record, write_atomically
-from conftest import run_script, script_env
+from conftest import ROOT, read_records, run_script, script_env
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
@@ -75,13 +77,18 @@ os.write = write
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target, names", [
-    ("epoch-0002.ckpt.tmp", "checkpoints/01_pytorch-vit-smoke/epoch-0002.ckpt.tmp"),
-    ("01_pytorch-vit-smoke.pt.tmp", "models/01_pytorch-vit-smoke.pt"),
-    ("runs.jsonl", "the run record to results/runs.jsonl"),
+@pytest.mark.parametrize("target, names, kept", [
+    ("epoch-0002.ckpt.tmp", "checkpoints/01_pytorch-vit-smoke-max-steps10/epoch-0002.ckpt.tmp",
+     "the last good checkpoint (checkpoints/01_pytorch-vit-smoke-max-steps10/epoch-0001.ckpt) is untouched"),
+    ("01_pytorch-vit-smoke-max-steps10.pt.tmp", "models/01_pytorch-vit-smoke-max-steps10.pt",
+     "the checkpoint of the finished training is kept in checkpoints/01_pytorch-vit-smoke-max-steps10"),
+    ("runs.jsonl", "the run record to results/runs.jsonl",
+     "The model is saved in models/01_pytorch-vit-smoke-max-steps10.pt, and the checkpoint of the finished training is kept"),
 ])
-def test_full_disk_during_a_run(tmp_path, target, names):
-    """01 --smoke with the disk 'full' at the second checkpoint, the model file or the record."""
+def test_full_disk_during_a_run(tmp_path, target, names, kept):
+    """01 --smoke with the disk 'full' at the second checkpoint, the model file or the record:
+    one line naming the file, the reason, what was kept and the command that goes on; that
+    command, run as printed once there is room, finishes the run with its record."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(FULL_DISK_AT)
@@ -93,14 +100,21 @@ def test_full_disk_during_a_run(tmp_path, target, names):
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"cannot write {names}" in errors[0]
-    assert "No space left on device" in errors[0]
+    assert "No space left on device" in errors[0] and kept in errors[0], errors[0]
     assert (tmp_path / "results" / "runs.jsonl").read_text() == EARLIER
     assert not list(tmp_path.rglob("*.tmp"))
-    ckpt = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
+    ckpt = tmp_path / "checkpoints" / "01_pytorch-vit-smoke-max-steps10"
     if target.startswith("epoch"):  # the last good checkpoint stays, to resume from
         assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-0001.ckpt", LATEST]
     else:  # the run finished training; its last checkpoint stays until the files are written
         assert (ckpt / LATEST).exists()
+    command = errors[0].rsplit(": ", 1)[1].rstrip(".")
+    assert command == f"python {ROOT / '01_pytorch-vit.py'} --smoke --max-steps 10 --resume", errors[0]
+    went_on = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1)],
+                             cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert went_on.returncode == 0, went_on.stderr[-3000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert record["resumed"] and len(record["train_loss"]) == 2 and not ckpt.exists()
 
 
 @pytest.fixture

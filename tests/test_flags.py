@@ -1,0 +1,164 @@
+"""Every value a user can type: each flag of every script's and tool's --help, given a wrong value
+of each kind it takes (a word for a number, a fraction, a number below its least, a choice it
+does not have, a folder where a file goes, a file where a folder goes, a path under a file, a
+read-only place), ends in one line and exit 2, before any work: the scripts run in this
+process up to their first step past the command line, where a tripwire stops them if a value
+got through."""
+import re
+import runpy
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+import benchmark
+import make_smoke_weights
+import plot_results
+from run_keeping.errors import Stopped
+
+SCRIPTS = sorted(p.name for p in ROOT.glob("[01][0-9]_*.py"))
+TOOLS = {"benchmark.py": benchmark.parse_args, "plot_results.py": plot_results.main,
+         "make_smoke_weights.py": make_smoke_weights.main}
+# Flags a smoke run refuses, so their wrong values are tried on a full run (on the CPU)
+FULL_RUN_ONLY = {"--num-workers", "--data-dir", "--no-download", "--vit"}
+# Paths a program only reads: a read-only place is right for them, a missing file wrong
+READ = {("08_load-and-evaluate.py", "--results"), ("08_load-and-evaluate.py", "--model"),
+        ("plot_results.py", "--results"), ("plot_results.py", "--log")}
+
+
+class Accepted(Exception):
+    """Raised where a script goes past its command line: a wrong value was taken."""
+
+
+@pytest.fixture
+def tripwires(monkeypatch):
+    import lightning
+    import run_keeping.keeper
+
+    def tripped(*args, **kwargs):
+        raise Accepted("a wrong value got past the command line")
+    monkeypatch.setattr(lightning.Fabric, "__init__", tripped)
+    monkeypatch.setattr(run_keeping.keeper.RunKeeper, "__init__", tripped)
+    monkeypatch.setattr(make_smoke_weights, "digit_fonts", tripped)
+
+
+def flags_of(help_text):
+    """{flag: what it takes (its metavar or {choices}), or None for a switch}."""
+    found = {}
+    for line in help_text.splitlines():
+        match = re.match(r"^  (--[a-z][\w-]*)(?: (\S+))?", line)
+        if match and match[1] != "--help":
+            found[match[1]] = match[2]
+    return found
+
+
+@pytest.fixture
+def places(tmp_path):
+    """Paths of each wrong kind: a file, a folder, a path under a file, one on a read-only
+    file system (where this machine can mount one)."""
+    a_file, a_folder = tmp_path / "a-file", tmp_path / "a-folder"
+    a_file.write_text("not what the flag wants\n")
+    a_folder.mkdir()
+    found = {"file": str(a_file), "folder": str(a_folder), "under a file": str(a_file / "x")}
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
+                      capture_output=True).returncode == 0:
+        found["read-only"] = str(read_only / "x")
+    yield found
+    subprocess.run(["umount", str(read_only)], capture_output=True)
+
+
+def wrong_values(flag, takes, places, read=False):
+    """(why it is wrong, the value) for each kind of wrong value the flag's metavar allows."""
+    if read:
+        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + \
+            ([("missing", places["folder"] + "/none.jsonl")] if flag != "--results" else [])
+    if takes is None:
+        return [("a switch given a value", None)]
+    if takes.startswith("{"):
+        return [("no such choice", "bogus")]
+    if takes in ("N", "N [N ...]"):
+        return [("a word", "abc"), ("a fraction", "1.5"), ("below its least", "-1")]
+    if takes == "DIR":
+        return [("a file", places["file"]), ("under a file", places["under a file"])] + \
+            ([("read-only", places["read-only"])] if "read-only" in places else [])
+    if takes in ("FILE", "PATH", "PNG"):
+        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + \
+            ([("read-only", places["read-only"])] if "read-only" in places else [])
+    if takes.startswith("IMAGE"):
+        return [("missing", places["folder"] + "/none.png"), ("not an image", places["file"])]
+    if takes.startswith("NN"):
+        return [("no such script", "99"), ("a word for a batch", "01@x")]
+    if takes.startswith("MODEL"):
+        return [("no such model", "ViT-Z/1")]
+    if takes.startswith("PRECISION"):
+        return [("no precision", "bogus=5"), ("a word for a number", "bf16-mixed=abc")]
+    pytest.fail(f"{flag} takes {takes}: the test knows no wrong value of that kind")
+
+
+def help_of(program, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [program, "--help"])
+    with pytest.raises(SystemExit) as exit_info:
+        run(program, ["--help"])
+    assert exit_info.value.code == 0
+    return capsys.readouterr().out
+
+
+def run(program, argv):
+    if program in TOOLS:
+        return TOOLS[program](argv)
+    sys.argv = [str(ROOT / program), *argv]
+    runpy.run_path(str(ROOT / program), run_name="__main__")
+
+
+def base_flags(program, flag):
+    """What the wrong value goes with, so that it is what stops the run."""
+    if program in TOOLS or program.startswith("08"):
+        return ["--smoke"] if program.startswith("08") and flag not in ("--data-dir", "--no-download", "--num-workers") else []
+    return ["--accelerator", "cpu"] if flag in FULL_RUN_ONLY else ["--smoke"]
+
+
+@pytest.mark.parametrize("program", [*SCRIPTS, *TOOLS])
+def test_every_wrong_value_of_every_flag_is_one_line(program, tripwires, places, capsys, monkeypatch):
+    monkeypatch.chdir(places["folder"])
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    flags = flags_of(help_of(program, capsys, monkeypatch))
+    assert flags, program
+    tried = 0
+    for flag, takes in flags.items():
+        for why, value in wrong_values(flag, takes, places, read=(program, flag) in READ):
+            argv = [*base_flags(program, flag), f"{flag}=yes" if value is None else flag,
+                    *([] if value is None else [value])]
+            if flag == "--predict":
+                argv = ["--predict", value]
+            try:
+                with pytest.raises(SystemExit) as exit_info:
+                    run(program, argv)
+            except Accepted:
+                pytest.fail(f"{program} {' '.join(argv)}: taken ({why})", pytrace=False)
+            err = capsys.readouterr().err
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert exit_info.value.code == 2, (program, argv, why, err)
+            assert len(lines) == 1 and "Traceback" not in err, (program, argv, why, err)
+            assert lines[0].startswith(f"{program}: error: "), (program, argv, lines)
+            tried += 1
+    assert tried >= len(flags)
+
+
+def test_a_read_only_place_is_named_so_before_any_work(tmp_path, places, capsys, monkeypatch):
+    """--checkpoint-dir, --results and --save-model on a read-only file system: said so in one
+    line, exit 2, before a step is trained (not a traceback at the first checkpoint, nor
+    'permission denied')."""
+    if "read-only" not in places:
+        pytest.skip("this machine cannot mount a read-only file system for the test")
+    import local_utilities as lu
+    for flag in ("--checkpoint-dir", "--results", "--save-model"):
+        monkeypatch.setattr(sys, "argv", ["01_pytorch-vit.py", "--smoke", flag, places["read-only"]])
+        with pytest.raises(Stopped) as exit_info:
+            lu.parse_args(epochs=3)
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"{flag} {places['read-only']} cannot be written: " in err and "is on a read-only file system" in err

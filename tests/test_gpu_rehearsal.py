@@ -1,0 +1,148 @@
+"""The GPU command rehearsed on a CPU: gpu_check.sh's Python steps that turn records into its
+report (the throughput table with MFU, the talk's comparison, the memory tables and charts, the
+processes each memory run plans), run on records of every precision and strategy the scripts
+can produce, as an A100, an H100, an H200 and a GPU no table knows would have written them.
+Only torch.cuda's answers (the GPU's name, count and memory) are stood in for: every lookup keyed
+by a precision, a strategy or a device name meets each value a script can produce."""
+import re
+
+import pytest
+import torch
+
+import benchmark
+import benchmark_memory
+from conftest import ROOT, SCRIPTS
+from run_keeping.devices import FALLBACKS
+from run_keeping.files import read_records
+from run_keeping.record import STRATEGIES
+
+GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H200": 141e9,
+        "NVIDIA Quadro Z9000 (in no table)": 48e9}
+
+
+def precisions_the_scripts_produce():
+    """Each precision a numbered script asks Fabric for (00-02 and plain Fabric: 32-true), and
+    what a GPU without bfloat16 runs instead (run_keeping/devices.py)."""
+    asked = {m for path in ROOT.glob("[01][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
+    return asked | {"32-true"} | {p for instead in FALLBACKS.values() for p in instead}
+
+
+def strategies_the_scripts_produce():
+    return set(STRATEGIES.values()) - {"fsdp"} | {"tensor-parallel+fsdp2"}
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A machine with `count` GPUs called `name`, as torch.cuda answers; nothing else replaced."""
+    def machine(name, count=2):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda *a: type("Properties", (), {"total_memory": int(GPUS[name]), "name": name})())
+    return machine
+
+
+def as_on(record, name, **changes):
+    return {**record, "device_name": name, "accelerator": "cuda", **changes}
+
+
+@pytest.fixture
+def every_kind_of_record(smoke_runs):
+    """Real records of every precision and strategy the scripts produce on this CPU, and, made
+    from them, the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
+    records = [smoke_runs(s).record for s in SCRIPTS if not s.startswith("00")]
+    records += [dict(r, precision=p, script=r["script"]) for r in records if r["precision"] == "bf16-mixed"
+                for p in FALLBACKS["single-device" if r["strategy"] in ("single-device", "ddp") else "sharded"]]
+    assert {r["precision"] for r in records} >= precisions_the_scripts_produce()
+    assert {r["strategy"] for r in records} >= strategies_the_scripts_produce()
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(GPUS))
+def test_the_throughput_report_is_written_whole_on_each_gpu(every_kind_of_record, gpu, name):
+    """benchmark.py's report, from records as the GPU would write them: a row for every one,
+    MFU where the GPU's peak for that precision is known (every precision on the tables' GPUs),
+    the talk's comparison, the input pipeline, the verdict. Before, bf16-true raised KeyError."""
+    gpu(name)
+    args = benchmark.parse_args(["--accelerator", "cuda"])
+    measured = {}
+    for i, record in enumerate(every_kind_of_record):
+        rounds = [as_on(record, name, images_per_s=record["images_per_s"] * f) for f in (1.0, 1.02, 0.98)]
+        bares = [{"images_per_s": r["images_per_s"] * 1.1, "peak_memory_gb": 1.0} for r in rounds]
+        measured[(f"{record['script']}", record["batch_size"] + i * 1000)] = {"records": rounds, "bares": bares}
+    rates = {"workers": {0: 2000.0, 4: 6000.0}, "device": "cuda", "resize": 50000.0}
+    text = benchmark.throughput_report(args, measured, 105.1e9, rates)
+    rows = [line for line in text.splitlines() if re.match(r"^\| \d\d_", line)]
+    assert len(rows) == len(every_kind_of_record)
+    mfu = [line.split(" | ")[9] for line in rows]
+    known = "Quadro" not in name
+    assert all(m.endswith("%") for m in mfu) if known else all(m == "-" for m in mfu), mfu
+    assert "Beside the talk's published figures" in text and "09's pipeline" in text
+    assert "What this run shows, on " + name in text and "cannot say: anything about a GPU" not in text
+
+
+def memory_records():
+    """The memory runs' records in the reference folder (the talk's column and the sequel's chain
+    on ViT-B/16 and ViT-L/16), each script as it ran at 224x224."""
+    return read_records(ROOT / "reference" / "memory-runs.jsonl")
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_the_memory_tables_are_written_whole_on_each_gpu(gpu, name, tmp_path):
+    """benchmark.py --memory --talk and --sequel, from their records as the GPU would write them:
+    every row beside its arithmetic (15's offloaded state not in the GPU's), the talk's and the
+    sequel's figures, the staircase, the chart."""
+    gpu(name)
+    records = [as_on(r, name) for r in memory_records()]
+    from plot_results import load_reference
+    reference = load_reference()
+    rows = [benchmark_memory.row_of(r, benchmark_memory.libraries_gb(cuda=True), reference) for r in records]
+    text = benchmark_memory.memory_tables(rows, 0.0, [], cuda=True)
+    assert text.count("\n| 0") + text.count("\n| 1") >= 2 * len(records)
+    assert "torch.cuda.max_memory_reserved" in text and "The chain as a staircase" in text
+    offloaded = next(r for r in rows if r["record"]["script"].startswith("15"))
+    assert offloaded["terms"]["weights"] == offloaded["terms"]["optimizer"] == 0  # in CPU memory there
+    benchmark_memory.staircase_chart(rows, tmp_path / "memory.png", name)
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 8])
+def test_each_memory_run_plans_the_talks_processes(gpu, count):
+    """On a GPU machine: 05-07 and 10 on the talk's 4 GPUs where there are 4 (fewer where fewer,
+    saying so), 10 skipped on one, 01-04 on one."""
+    gpu("NVIDIA H200", count)
+    plans = {n: benchmark_memory.talk_processes(n, "vit_b_16", True, 0.0) for n in benchmark_memory.TALK_SCRIPTS}
+    for number, (processes, note) in plans.items():
+        takes_devices = number in ("05", "06", "07", "10")
+        if not takes_devices:
+            assert (processes, note) == (1, None)
+        elif number == "10" and count < 2:
+            assert processes is None and "needs 2 processes" in note
+        else:
+            assert processes == min(4, count) and (note is None) == (count >= 4), (number, note)
+
+
+def test_on_a_cpu_with_room_the_talks_four_processes_run(monkeypatch):
+    """--memory --talk on a CPU with room for them: 05-07 and 10 each on the talk's 4 processes,
+    the others on one (a regression to one process would hold a whole copy less DDP's work)."""
+    monkeypatch.setattr(benchmark_memory, "available_memory", lambda cuda: 200e9)
+    plans = {n: benchmark_memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in benchmark_memory.TALK_SCRIPTS}
+    assert plans == {"01": 1, "02": 1, "03": 1, "04": 1, "05": 4, "06": 4, "07": 4, "10": 4}
+    monkeypatch.setattr(benchmark_memory, "available_memory", lambda cuda: 8e9)
+    processes, note = benchmark_memory.talk_processes("05", "vit_b_16", False, 0.8)
+    assert processes < 4 and f"{processes} processes, not 4" in note
+
+
+@pytest.mark.parametrize("name", list(GPUS))
+def test_every_peak_lookup_answers(name, gpu):
+    """peak_tflops for every precision the scripts produce: a figure on the GPUs the tables know,
+    None (no MFU) on one they do not, never a KeyError."""
+    gpu(name)
+    for precision in precisions_the_scripts_produce() | set(benchmark.UNIT):
+        peak = benchmark.peak_tflops(name, precision)
+        if "Quadro" in name or precision == "64-true":
+            assert peak is None, (name, precision)
+        else:
+            assert peak > 0, (name, precision)
