@@ -321,9 +321,10 @@ def smoke_runs(once_per_run):
     return get
 
 
-def smoke_logits(model_file, bf16):
+def smoke_logits(model_file, bf16, uint8=False):
     """The smoke test digits' logits of a saved smoke model: in float32, or under bf16-mixed
-    autocast as the training runs and 08 evaluate."""
+    autocast as the training runs and 08 evaluate; uint8: the digits held as 09 holds its data
+    (uint8, as CIFAR-10's are), not as the floats 08 reads."""
     import argparse
     import torch
     import local_utilities as lu
@@ -332,18 +333,27 @@ def smoke_logits(model_file, bf16):
     model.load_state_dict(torch.load(model_file, map_location="cpu", weights_only=True))
     model.eval()
     images = lu.digits_datasets()[2].tensors[0]
+    if uint8:
+        images = (images * 255).round() / 255
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return model(images).float()
 
 
-def images_bf16_may_flip(model_file, roundings=4):
+def uint8_effect(model_file):
+    """The most that holding the test digits as uint8 (09) instead of floats (08) moves any of
+    this model's float32 logits: a difference of inputs, which no rounding bound covers."""
+    return float((smoke_logits(model_file, False, uint8=True) - smoke_logits(model_file, False)).abs().max())
+
+
+def images_bf16_may_flip(model_file, roundings=4, extra=0.0):
     """How many test digits two bfloat16 evaluations of this model may classify differently,
     derived on this machine (its CPU's bf16 kernels) rather than fitted to one run: D is the
     largest difference bf16-mixed autocast makes to any logit against float32. A computation
     that rounds k times where autocast rounds once lies within about k*D of float32, so two of
     them within `roundings`*D of each other; only a digit whose two best float32 logits are
-    closer than that can change its prediction. Returns (that count, D)."""
+    closer than that can change its prediction; `extra`: what the two computations' inputs add
+    to that. Returns (that count, D)."""
     exact, rounded = smoke_logits(model_file, False), smoke_logits(model_file, True)
     bound = float((rounded - exact).abs().max())
     best_two = exact.topk(2, dim=1).values
-    return int(((best_two[:, 0] - best_two[:, 1]) < roundings * bound).sum()), bound
+    return int(((best_two[:, 0] - best_two[:, 1]) < roundings * bound + extra).sum()), bound

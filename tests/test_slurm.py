@@ -1,0 +1,146 @@
+"""The cluster path on a real SLURM (Debian's slurm-wlm, one node, started by
+tools/local_slurm.sh): the README's job script as printed (but --smoke, CPUs and the task counts)
+submitted with sbatch; the same job requeued in the middle of an epoch by `scontrol requeue`,
+continuing by itself to the same finished run; a launch whose task counts differ from the
+flags; and `srun --pty bash`'s job name, under which Lightning ignores SLURM."""
+import json
+import os
+import subprocess
+import time
+
+import pytest
+
+from conftest import ROOT, read_records
+
+TOOL = ROOT / "tools" / "local_slurm.sh"
+# In process 0 of the first run only: after the 80th optimizer step (the second epoch's 6th
+# batch), say so and wait until told to go on, so that the requeue lands in the middle of an
+# epoch whatever the machine's speed.
+PAUSE = """
+import os, time
+from pathlib import Path
+from torch.optim.optimizer import register_optimizer_step_post_hook
+_steps = [0]
+def _pause(*args):
+    _steps[0] += 1
+    if _steps[0] == 80 and os.environ.get("SLURM_PROCID") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        Path(os.environ["PAUSED"]).touch()
+        while not Path(os.environ["GO_ON"]).exists():
+            time.sleep(0.05)
+register_optimizer_step_post_hook(_pause)
+"""
+
+
+def wait_until(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.2)
+    pytest.fail(f"waited {timeout} s for {what}", pytrace=False)
+
+
+def state(job, env):
+    found = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    return next((part.split("=")[1] for part in found.split() if part.startswith("JobState=")), None)
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """A one-node SLURM for this test: its environment, and a folder whose scripts are the
+    project's (the job script names them as the README does)."""
+    folder = tmp_path / "slurm"
+    started = subprocess.run(["bash", str(TOOL), "start", str(folder)], capture_output=True, text=True, timeout=300)
+    if started.returncode == 5:
+        pytest.skip(started.stderr.strip())  # this machine cannot run the daemons: said in one line
+    assert started.returncode == 0, started.stderr
+    env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), OMP_NUM_THREADS="1")
+    work = tmp_path / "work"
+    work.mkdir()
+    for script in ROOT.glob("[01][0-9]_*.py"):
+        (work / script.name).symlink_to(script)
+    try:
+        yield env, work
+    finally:
+        subprocess.run(["bash", str(TOOL), "stop", str(folder)], capture_output=True, timeout=120)
+    # stopped: no daemon of its left, and its folder gone
+    assert not folder.exists()
+    for name in ("run/slurmctld.pid", "run/slurmd.pid", "munge/munged.pid"):
+        assert not (folder / name).exists()
+
+
+def submit(job_script, env, work, output):
+    return subprocess.run(["sbatch", "--parsable", f"--output={output}", str(job_script)], cwd=work, env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, tmp_path):
+    env, work = slurm
+    job = work / "job.sh"
+    job.write_text(subprocess.run(["bash", str(TOOL), "job", "2"], capture_output=True, text=True, check=True).stdout)
+    readme = {line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith(("#SBATCH", "srun"))}
+    ours = {line for line in job.read_text().splitlines() if line.startswith(("#SBATCH", "srun"))}
+    counts = ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --gpus-per-node=", "srun ")
+    assert all(line.startswith(counts) for line in readme ^ ours), readme ^ ours  # the README's job
+
+    # 1. as printed: two tasks, one run, its record
+    whole = submit(job, env, work, tmp_path / "whole.out")
+    wait_until(lambda: state(whole, env) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the first job")
+    out = (tmp_path / "whole.out").read_text()
+    assert state(whole, env) == "COMPLETED", out[-3000:]
+    for rank in (0, 1):
+        assert f"Process {rank} of 2, started by SLURM (job {whole}, srun task {rank})." in out
+    uninterrupted = read_records(work / "results" / "runs.jsonl")[-1]
+    assert (uninterrupted["launcher"], uninterrupted["world_size"], uninterrupted["resumed"]) == \
+        ("SLURMEnvironment", 2, False)
+
+    # 2. the same job, requeued in the middle of its second epoch: SLURM sends SIGTERM, the run
+    # saves where it is, the job is requeued and starts again with no edit, and continues
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(PAUSE)
+    paused, go_on = tmp_path / "paused", tmp_path / "go-on"
+    requeued_env = dict(env, PYTHONPATH=str(site), PAUSED=str(paused), GO_ON=str(go_on))
+    again = submit(job, requeued_env, work, tmp_path / "requeued.out")
+    wait_until(paused.exists, 300, "the second epoch")
+    subprocess.run(["scontrol", "requeue", again], env=env, check=True)
+    time.sleep(1)  # the SIGTERM has arrived
+    go_on.touch()
+    wait_until(lambda: state(again, env) == "PENDING", 120, "the requeued job to wait")
+    latest = json.loads(next((work / "checkpoints").glob("*/latest.json")).read_text())
+    assert latest["epochs_done"] == 1 and 0 < latest["batches_done"] < 74, latest  # mid-epoch
+    subprocess.run(["scontrol", "update", f"JobId={again}", "StartTime=now"], env=env, check=True)  # not in 2 min
+    wait_until(lambda: state(again, env) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the requeued job")
+    out = (tmp_path / "requeued.out").read_text()
+    assert state(again, env) == "COMPLETED", out[-3000:]
+    assert "interrupted (SIGTERM); saved checkpoints/" in out and "Traceback" not in out
+    assert f"SLURM requeued job {again} (restart 1): continuing the run in checkpoints/" in out
+    assert f"{latest['batches_done']} of 74 batches of the next" in out
+    continued = read_records(work / "results" / "runs.jsonl")[-1]
+    assert continued["resumed"] is True
+    assert continued["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=1e-6)
+    for key in ("val_acc", "test_acc", "lr", "steps"):
+        assert continued[key] == uninterrupted[key], key
+
+    # 3. task counts that are not the flags': one line from the first task, exit 2
+    mismatch = subprocess.run(["srun", "-N1", "-n2", "--ntasks-per-node=2", "python", "06_fabric-vit-mixed-fsdp.py",
+                               "--smoke", "--devices", "1"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in mismatch.stderr.splitlines() if line.startswith("06_fabric-vit-mixed-fsdp.py: error:")]
+    assert mismatch.returncode == 2 and len(lines) == 1, mismatch.stderr
+    assert ("SLURM started 2 task(s) per machine on 1 machine(s) (--ntasks-per-node 2, --nodes 1), but the "
+            "flags ask for --devices 1 --num-nodes 1") in lines[0]
+
+    # 4. srun --pty bash's job name: Lightning ignores SLURM. One machine: it works, saying so;
+    # several: one line saying what to do
+    inside = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
+                             "--smoke", "--max-steps", "4", "--epochs", "1"], cwd=work, env=env,
+                            capture_output=True, text=True, timeout=240)
+    assert inside.returncode == 0, inside.stderr[-3000:]
+    assert "started by Lightning, which started this machine's processes itself, inside SLURM job" in inside.stdout
+    assert "whose name 'bash' makes Lightning ignore SLURM" in inside.stdout
+    nodes = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
+                            "--smoke", "--num-nodes", "2"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    lines = [line for line in nodes.stderr.splitlines() if line.startswith("06_fabric-vit-mixed-fsdp.py: error:")]
+    assert nodes.returncode == 2 and len(lines) == 1, nodes.stderr
+    assert "Inside `srun --pty bash` (SLURM job name 'bash') Lightning does not use SLURM: submit the job script with sbatch" in lines[0]
