@@ -169,6 +169,7 @@ def test_each_kind_of_run_has_its_own_folder_and_file(argv):
                                         "models/04_fabric-vit-mixed-precision-smoke-synthetic.pt")
 
 
+@pytest.mark.slow
 def test_gpu_check_without_a_gpu_points_at_its_smoke_size(tmp_path):
     import subprocess
     from conftest import ROOT

@@ -39,6 +39,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_15s_offloaded_shards_are_gathered_where_nccl_has_no_cpu_backend(tmp_path):
     """Point 3: 15's shards live in CPU memory; on two GPUs Lightning's process group is NCCL's
     alone, and gathering them there fails with NCCL's error. Reproduced with a gloo group for
