@@ -397,7 +397,7 @@ def ratio(value, pattern="{:.2f}"):
     median, low, high = value
     if median is None:
         return "-"
-    return pattern.format(median) + (f" ({low:.2f}-{high:.2f})" if high != low else "")
+    return pattern.format(median) + (f" ({pattern.format(low)}-{pattern.format(high)})" if high != low else "")
 
 
 def markdown_table(rows):

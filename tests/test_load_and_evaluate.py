@@ -143,3 +143,35 @@ def test_08_checks_the_images_first_and_names_the_smoke_models(smoke_runs, tmp_p
     assert only_smoke.returncode == 2
     assert ("Only --smoke models are there (models/04_fabric-vit-mixed-precision-smoke.pt): add "
             "--smoke") in only_smoke.stderr
+
+
+def test_the_newest_model_is_a_whole_runs(tmp_path, monkeypatch, capsys):
+    """08 without --model: the newest file in models/ of the asked kind from a whole run; a run
+    cut short by --max-steps (by its record, or where it has none by its name) is passed over,
+    and said so when nothing else is there."""
+    import json
+    import os
+    import runpy
+    import time
+    from types import SimpleNamespace
+    from conftest import ROOT
+    newest_model = runpy.run_path(str(ROOT / "08_load-and-evaluate.py"), run_name="08")["newest_model"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    records = []
+    for name, whole in (("01_pytorch-vit-smoke.pt", True), ("01_pytorch-vit-smoke-seed2.pt", False),
+                        ("01_pytorch-vit-smoke-max-steps3.pt", None)):
+        (tmp_path / "models" / name).write_bytes(name.encode())
+        time.sleep(0.01)  # each newer than the one before
+        if whole is not None:
+            records.append({"model_file": f"models/{name}", "kind": "smoke", "whole": whole})
+    (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = SimpleNamespace(smoke=True, results=str(tmp_path / "runs.jsonl"))
+    assert newest_model(args) == "models/01_pytorch-vit-smoke.pt"
+    os.remove("models/01_pytorch-vit-smoke.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        newest_model(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Passed over, as cut short by --max-steps: models/01_pytorch-vit-smoke-max-steps3.pt, " \
+           "models/01_pytorch-vit-smoke-seed2.pt" in err

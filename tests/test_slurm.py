@@ -75,7 +75,14 @@ def submit(job_script, env, work, output):
 
 
 @pytest.mark.slow
-def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, tmp_path):
+def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_runs, tmp_path):
+    """The README's job script, submitted with sbatch (--smoke, CPUs and 2 tasks on the one
+    node): its two processes say SLURM started them. `scontrol requeue` in the middle of its
+    second epoch: SLURM sends SIGTERM, the run saves where it is, the job is requeued and starts
+    again with no edit, continues from that batch, and finishes as the same run uninterrupted
+    (06 --smoke on 2 processes: the same maths whoever starts them). Then a launch whose task
+    counts are not the flags', and one under srun --pty bash's job name for several machines:
+    one line each, exit 2."""
     env, work = slurm
     job = work / "job.sh"
     job.write_text(subprocess.run(["bash", str(TOOL), "job", "2"], capture_output=True, text=True, check=True).stdout)
@@ -84,19 +91,7 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, tmp_pat
     counts = ("#SBATCH --nodes=", "#SBATCH --ntasks-per-node=", "#SBATCH --gpus-per-node=", "srun ")
     assert all(line.startswith(counts) for line in readme ^ ours), readme ^ ours  # the README's job
 
-    # 1. as printed: two tasks, one run, its record
-    whole = submit(job, env, work, tmp_path / "whole.out")
-    wait_until(lambda: state(whole, env) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the first job")
-    out = (tmp_path / "whole.out").read_text()
-    assert state(whole, env) == "COMPLETED", out[-3000:]
-    for rank in (0, 1):
-        assert f"Process {rank} of 2, started by SLURM (job {whole}, srun task {rank})." in out
-    uninterrupted = read_records(work / "results" / "runs.jsonl")[-1]
-    assert (uninterrupted["launcher"], uninterrupted["world_size"], uninterrupted["resumed"]) == \
-        ("SLURMEnvironment", 2, False)
-
-    # 2. the same job, requeued in the middle of its second epoch: SLURM sends SIGTERM, the run
-    # saves where it is, the job is requeued and starts again with no edit, and continues
+    # the job, requeued in the middle of its second epoch
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(PAUSE)
@@ -114,16 +109,18 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, tmp_pat
     wait_until(lambda: state(again, env) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the requeued job")
     out = (tmp_path / "requeued.out").read_text()
     assert state(again, env) == "COMPLETED", out[-3000:]
+    for rank in (0, 1):
+        assert f"Process {rank} of 2, started by SLURM (job {again}, srun task {rank})." in out
     assert "interrupted (SIGTERM); saved checkpoints/" in out and "Traceback" not in out
     assert f"SLURM requeued job {again} (restart 1): continuing the run in checkpoints/" in out
     assert f"{latest['batches_done']} of 74 batches of the next" in out
-    continued = read_records(work / "results" / "runs.jsonl")[-1]
-    assert continued["resumed"] is True
+    continued, uninterrupted = read_records(work / "results" / "runs.jsonl")[-1], smoke_runs("06_fabric-vit-mixed-fsdp.py").record
+    assert (continued["resumed"], continued["launcher"], continued["world_size"]) == (True, "SLURMEnvironment", 2)
     assert continued["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=1e-6)
     for key in ("val_acc", "test_acc", "lr", "steps"):
         assert continued[key] == uninterrupted[key], key
 
-    # 3. task counts that are not the flags': one line from the first task, exit 2
+    # task counts that are not the flags': one line from the first task, exit 2
     mismatch = subprocess.run(["srun", "-N1", "-n2", "--ntasks-per-node=2", "python", "06_fabric-vit-mixed-fsdp.py",
                                "--smoke", "--devices", "1"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in mismatch.stderr.splitlines() if line.startswith("06_fabric-vit-mixed-fsdp.py: error:")]
@@ -131,16 +128,22 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, tmp_pat
     assert ("SLURM started 2 task(s) per machine on 1 machine(s) (--ntasks-per-node 2, --nodes 1), but the "
             "flags ask for --devices 1 --num-nodes 1") in lines[0]
 
-    # 4. srun --pty bash's job name: Lightning ignores SLURM. One machine: it works, saying so;
-    # several: one line saying what to do
-    inside = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
-                             "--smoke", "--max-steps", "4", "--epochs", "1"], cwd=work, env=env,
-                            capture_output=True, text=True, timeout=240)
-    assert inside.returncode == 0, inside.stderr[-3000:]
-    assert "started by Lightning, which started this machine's processes itself, inside SLURM job" in inside.stdout
-    assert "whose name 'bash' makes Lightning ignore SLURM" in inside.stdout
+    # srun --pty bash's job name, for several machines: what to do instead
     nodes = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
                             "--smoke", "--num-nodes", "2"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     lines = [line for line in nodes.stderr.splitlines() if line.startswith("06_fabric-vit-mixed-fsdp.py: error:")]
     assert nodes.returncode == 2 and len(lines) == 1, nodes.stderr
     assert "Inside `srun --pty bash` (SLURM job name 'bash') Lightning does not use SLURM: submit the job script with sbatch" in lines[0]
+
+
+def test_under_srun_pty_bash_a_run_says_lightning_started_it(monkeypatch):
+    """Inside `srun --pty bash` (SLURM's job name "bash"), Lightning ignores SLURM and starts the
+    processes of one machine itself: the run works and its opening line says so."""
+    from types import SimpleNamespace
+    from run_keeping.launch import opening_line
+    monkeypatch.setenv("SLURM_JOB_NAME", "bash")
+    monkeypatch.setenv("SLURM_JOB_ID", "41")
+    fabric = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=type("LightningEnvironment", (), {})()))
+    assert opening_line(fabric, 1, 2) == ("Process 1 of 2, started by Lightning, which started this machine's "
+                                          "processes itself, inside SLURM job 41, whose name 'bash' makes "
+                                          "Lightning ignore SLURM.")
