@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from run_keeping.errors import fail, leave
+from run_keeping.files import append_record
 from run_keeping.flags import VITS
 
 ROOT = Path(__file__).resolve().parent
@@ -165,10 +166,28 @@ def memory_report(args):
         if proc.returncode != 0 or len(found) != len(models):
             fail(f"the memory run of {strategy} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
         rows += found
-    device = f"{torch.cuda.get_device_name()}: torch.cuda.max_memory_reserved" if cuda else \
-        f"{os.cpu_count()}-core CPU: peak resident memory (VmHWM)"
-    lines = [f"Memory per process, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, on {device}; "
-             "two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
+    from run_keeping.record import device_name
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    for r in rows:  # records, from which strategy_table makes its table again
+        r.update(device_name=device_name("cuda" if cuda else "cpu"), timestamp=when, notes=notes)
+        append_record(Path(args.results).parent / "memory-strategies.jsonl", r)
+    text = strategy_table(rows)
+    print(text)
+    if args.report:
+        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.report).write_text(text + "\n")
+    chart = Path(args.results).parent / "memory.png"
+    memory_chart(rows, chart, rows[0]["device_name"] if rows else "")
+    print(f"Chart written to {chart}")
+
+
+def strategy_table(rows):
+    """--memory's table from its records: each model under each strategy beside the arithmetic,
+    what was skipped, and FSDP2's and TP's peaks against DDP's on ViT-L/16."""
+    cuda = bool(rows) and rows[0].get("device") == "cuda"
+    figure = "torch.cuda.max_memory_reserved" if cuda else "peak resident memory (VmHWM)"
+    lines = [f"Memory per process, {rows[0]['timestamp'][:16].replace('T', ' ')} UTC, on {rows[0]['device_name']}: "
+             f"{figure}; two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
              "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
              "parameter (its gradient buckets).", "",
              "| model | parameters | strategy | processes | parameters held per process | "
@@ -184,20 +203,13 @@ def memory_report(args):
         lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f} M | {r['strategy']} | "
                      f"{r['processes']} | {held / 1e6:.0f} M | {expected:.2f} | {after:.2f} | "
                      f"{peak:.2f} | {r['peak_less_libraries']:.2f} |")
-    lines += [""] + [f"- {note}" for note in notes]
+    lines += [""] + [f"- {note}" for note in (rows[0].get("notes") or [])]
     by = {(r["model"], r["strategy"]): r["peak"] for r in rows}
     ddp, fsdp, tp = (by.get(("ViT-L/16", s)) for s in ("DDP (05)", "FSDP2 (06)", "TP (10)"))
     if ddp and fsdp and tp:
-        lines.append(f"- ViT-L/16 on 2 processes: FSDP2's peak is {fsdp / ddp:.2f} of DDP's (goal: "
-                     f"at most 0.6); TP's {tp / ddp:.2f}, {'between the two' if fsdp <= tp <= ddp else 'NOT between them'}.")
-    text = "\n".join(lines)
-    print(text)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(text + "\n")
-    chart = Path(args.results).parent / "memory.png"
-    memory_chart(rows, chart, device)
-    print(f"Chart written to {chart}")
+        lines.append(f"- ViT-L/16 on 2 processes: FSDP2's peak is {fsdp / ddp:.2f} of DDP's; TP's "
+                     f"{tp / ddp:.2f}, {'between the two' if fsdp <= tp <= ddp else 'NOT between them'}.")
+    return "\n".join(lines)
 
 
 def expected_held(name, strategy):
@@ -359,9 +371,10 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES):
     return count, None if count == wanted else f"{SCRIPTS[number]}: {count} processes, not {wanted}: {why}"
 
 
-def run_for_memory(number, vit, processes, args, folder):
+def run_for_memory(number, vit, processes, args, folder, libraries):
     """One numbered script as it is, on synthetic images at 224, batch 16, TALK_STEPS steps; its
-    record (appended to the memory runs' file too)."""
+    record, with the table it is for and what the libraries hold (appended to the memory runs'
+    file too, from which the tables can be made again)."""
     script = SCRIPTS[number]
     flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16", "--vit", vit,
              "--results", str(folder / "runs.jsonl"), "--save-model", str(folder / "model.pt"),
@@ -376,9 +389,9 @@ def run_for_memory(number, vit, processes, args, folder):
         tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
         fail(f"{script} failed (exit {proc.returncode}):\n{tail}")
     record = json.loads((folder / "runs.jsonl").read_text().splitlines()[-1])
+    record.update(memory_table="sequel" if args.sequel else "talk", libraries_gb=round(libraries, 4))
     (folder / "model.pt").unlink(missing_ok=True)
-    with open(Path(args.results).parent / "memory-runs.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_record(Path(args.results).parent / "memory-runs.jsonl", record)
     return record
 
 
@@ -400,7 +413,7 @@ def talk_memory(args):
             if processes is None:
                 continue
             with tempfile.TemporaryDirectory(prefix="memory-") as folder:
-                record = run_for_memory(number, vit, processes, args, Path(folder))
+                record = run_for_memory(number, vit, processes, args, Path(folder), libraries)
             rows.append(row_of(record, libraries, reference))
     text = memory_tables(rows, libraries, notes, cuda)
     print(text)
@@ -510,7 +523,7 @@ def staircase_lines(rows):
     return lines
 
 
-def staircase_chart(rows, path, device):
+def staircase_chart(rows, path, device, when=None):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -531,12 +544,16 @@ def staircase_chart(rows, path, device):
                       and (key != "memory_gb" or r["record"]["world_size"] == r["reference"]["devices"])]
             if points:
                 ax.scatter(*zip(*points), color="C3", marker=marker, zorder=4, label=label)
+                for i, _ in points:  # 14 also checkpoints activations; the sequel's SGD run did not
+                    if key == "sequel_memory_gb" and mine[i]["record"].get("activation_checkpointing"):
+                        ax.annotate("sequel: no\ncheckpointing", (i, mine[i]["reference"][key]), fontsize=6,
+                                    xytext=(4, 4), textcoords="offset points", color="C3")
         ax.set_xticks(list(x))
         ax.set_xticklabels([f"{r['number']}\n{r['record']['world_size']}p" for r in mine])
         ax.set_title(VITS[vit], fontsize=10)
         ax.set_ylabel("peak memory per process (GB)")
         ax.legend(fontsize=7)
     fig.suptitle(f"Memory per process, batch 16 at 224x224 ({device}, "
-                 f"{datetime.now(timezone.utc):%Y-%m-%d})", fontsize=9)
+                 f"{when or datetime.now(timezone.utc):%Y-%m-%d})", fontsize=9)
     fig.tight_layout()
     save(fig, path)

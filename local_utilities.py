@@ -192,9 +192,11 @@ def build_vit(weights, args):
 
 def fsdp_each_encoder_block(model, device_mesh, offload=False):
     """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock its own unit, sharded across
-    every process, then the root (embeddings, head). As Lightning's strategy="fsdp" with bf16-mixed,
-    parameters are gathered in bfloat16 and gradients reduced in float32 (float32 throughout on a
-    GPU without native bfloat16; run_keeping/devices.py says so). offload: see the next function."""
+    every process, then the root (embeddings, head). Parameters are gathered in bfloat16, as the
+    talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
+    reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
+    the float32 sums DDP (05) makes too. float32 throughout on a GPU without native bfloat16
+    (run_keeping/devices.py says so). offload: see the next function."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
     cuda = device_mesh.device_type == "cuda"

@@ -219,3 +219,24 @@ def test_the_memory_lessons_flags(argv, capsys):
             argv(*flags, **kwargs)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert argv("--smoke", "--batch-size", "8", micro_batches=4).micro_batches == 4
+
+
+@pytest.mark.parametrize("accelerator, words", [
+    ("cpu", "On a CPU it needs a working C++ compiler: install g++"),
+    ("cuda", "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build Triton's launcher: install gcc"),
+])
+def test_torch_compile_without_its_compiler_names_what_the_device_lacks(accelerator, words, capsys, monkeypatch):
+    """A GPU machine without a C compiler fails 02 and 09 in torch.compile too, but what it lacks
+    is not a CPU's C++ compiler: the line names what the run's device needs."""
+    import os
+    from types import SimpleNamespace
+    from run_keeping import signals
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    keeper = SimpleNamespace(args=SimpleNamespace(accelerator=accelerator, script="02_pytorch-vit-compile.py", batch_size=16),
+                             world_size=1, rank=0, checkpoints=SimpleNamespace(last=None))
+    failure = type("InductorError", (RuntimeError,), {"__module__": "torch._inductor.exc"})
+    signals.on_uncaught(keeper, failure, failure("Failed to find C compiler"), None)
+    err = capsys.readouterr().err.strip()
+    assert exits == [2] and len(err.splitlines()) == 1 and words in err, err
+    assert "run without compiling: python 01_pytorch-vit.py is 02 without it" in err

@@ -1,6 +1,5 @@
 """The memory lessons: the arithmetic benchmark.py --memory --talk and --sequel print beside what
 they measure, its relations along the sequel's chain, and the chain measured on real runs."""
-import os
 import subprocess
 import sys
 
@@ -175,5 +174,41 @@ def test_cpu_offload_on_a_cpu_is_06(smoke_runs):
     exactly (06's smoke run: two torchrun nodes; 15's: Fabric's 2 processes) and learns as 06."""
     fsdp, offload = (smoke_runs(s).record for s in ("06_fabric-vit-mixed-fsdp.py", "15_fabric-vit-fsdp-cpu-offload.py"))
     assert offload["parallelize"] == "fsdp_each_encoder_block_offloaded"
+    # what each FSDP2 unit of the trained model carried: every block and the root offloaded in 15,
+    # none in 06 (a 15 whose offload was dropped would do 06's maths and pass the line below)
+    assert (offload["fsdp2_units"], offload["cpu_offload_units"]) == (4, 4)
+    assert (fsdp["fsdp2_units"], fsdp["cpu_offload_units"]) == (4, 0)
     assert offload["train_loss"] == fsdp["train_loss"] and offload["test_acc"] == fsdp["test_acc"]
     assert offload["parameters_per_process"] == fsdp["parameters_per_process"]
+
+
+def test_an_offloading_gpu_run_shares_the_cpu_among_its_processes(monkeypatch):
+    """15 on several GPUs steps Adam on the CPU in every process: each gets its share of the
+    cores, as CPU runs do (a GPU run that does not offload keeps torch's threads)."""
+    from types import SimpleNamespace
+    import torch
+    import torch.distributed as dist
+    import local_utilities as lu
+    from run_keeping import keeper as keeping
+    from torch.distributed.device_mesh import DeviceMesh
+    shared = []
+    monkeypatch.setattr(keeping, "share_cpu_threads", shared.append)
+    monkeypatch.setattr(keeping, "bound_waits", lambda fabric: None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("data_parallel",))
+        for parallelize, expected in ((lu.fsdp_each_encoder_block_offloaded, [4]), (lu.fsdp_each_encoder_block, [])):
+            shared.clear()
+            model = parallelize(lu.smoke_vit(), mesh)
+            keeper = keeping.RunKeeper.__new__(keeping.RunKeeper)  # its resume() alone, on a GPU's fabric
+            keeper.args = SimpleNamespace(kind="", devices=4, tensor_parallel=1, resume=False,
+                                          **{k: None for k in ("batch_size", "seed", "epochs", "max_steps")})
+            keeper.fabric = SimpleNamespace(device=torch.device("cuda"), world_size=1)
+            keeper.world_size, keeper.rank, keeper.precision_asked = 1, 0, "bf16-mixed"
+            keeper.meter, keeper.start_epoch = SimpleNamespace(steps_per_epoch=None), 0
+            keeper.resume(model, torch.optim.Adam(model.parameters()), train_loader=[None])
+            assert shared == expected, parallelize.__name__
+    finally:
+        dist.destroy_process_group()

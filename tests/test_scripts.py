@@ -147,20 +147,16 @@ def changed_lines(a, b):
     return [line for line in out.stdout.splitlines() if line[:1] in "<>"]
 
 
-CHAIN = [("00_pytorch-vit-random-init.py", "01_pytorch-vit.py", 4),
-         ("01_pytorch-vit.py", "02_pytorch-vit-compile.py", 2),
-         ("01_pytorch-vit.py", "03_fabric-vit.py", 30),
-         ("03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", 2),
-         ("04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py", 4),
-         ("05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py", 3),
-         ("06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py", 6),
-         ("06_fabric-vit-mixed-fsdp.py", "10_fabric-vit-tensor-parallel.py", 4),
-         # the memory sequel's lessons (the budgets proposed with them, README's table)
-         ("04_fabric-vit-mixed-precision.py", "11_fabric-vit-bf16-true.py", 7),
-         ("11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py", 8),
-         ("12_fabric-vit-grad-accumulation.py", "13_fabric-vit-activation-checkpointing.py", 3),
-         ("13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py", 6),
-         ("06_fabric-vit-mixed-fsdp.py", "15_fabric-vit-fsdp-cpu-offload.py", 4)]
+def chain():
+    """(the script a lesson is a diff against, the lesson, its budget), from talk_reference.csv."""
+    import csv
+    with open(ROOT / "talk_reference.csv") as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
+    names = {row["script"][:2]: row["script"] for row in rows}
+    return [(names[row["against"]], row["script"], int(row["budget"])) for row in rows if row["against"]]
+
+
+CHAIN = chain()
 
 
 @pytest.mark.parametrize("a, b, budget", CHAIN)

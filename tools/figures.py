@@ -1,0 +1,265 @@
+"""The figures of the README and docs/, made from the project's own records in reference/ (and
+talk_reference.csv, the smoke weights' provenance, and the scripts themselves for their changed
+lines). Each table or passage between `<!-- figures: NAME -->` and `<!-- end of figures -->` is
+written by the function of that NAME below; the charts in reference/ are drawn from the same
+records. A user's runs never write reference/: its records are added by hand, from runs made
+for the purpose (each block says which command made them).
+
+    python tools/figures.py            # rewrite every block, redraw the charts
+    python tools/figures.py --check    # which blocks differ from their records (exit 1); the tests run it
+"""
+import argparse
+import csv
+import json
+import re
+import statistics
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from run_keeping.files import read_records  # noqa: E402
+
+REFERENCE = ROOT / "reference"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- end of figures -->)", re.S)
+
+
+def talk():
+    with open(ROOT / "talk_reference.csv") as f:
+        return {row["script"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
+
+
+def when(records):
+    """The machine and the dates of a set of records, as a caption says them."""
+    machines = sorted({r["device_name"].replace("CPU ", "").split(" (")[0] + f" ({r['device_name'].split('(')[-1]}"
+                       for r in records})
+    dates = sorted({r["timestamp"][:10] for r in records})
+    span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+    return f"{' and '.join(machines)}, {span}"
+
+
+def smoke_runs():
+    return [r for r in read_records(REFERENCE / "smoke-runs.jsonl") if r.get("whole", True)]
+
+
+def seeds_of(script, records):
+    """{seed: record} of a script's smoke runs (the latest of each seed)."""
+    return {r["seed"]: r for r in records if r["script"] == script}
+
+
+def accuracy(values):
+    return " / ".join(f"{v * 100:.2f}" for v in values)
+
+
+def changed_lines(a, b):
+    out = subprocess.run(["diff", str(ROOT / a), str(ROOT / b)], capture_output=True, text=True)
+    return sum(line[:1] in "<>" for line in out.stdout.splitlines())
+
+
+def memory_rows(table, vit=None):
+    import benchmark_memory
+    from plot_results import load_reference
+    reference = load_reference()
+    records = [r for r in read_records(REFERENCE / "memory-runs.jsonl") if r["memory_table"] == table
+               and (vit is None or r["model"] == vit)]
+    return [benchmark_memory.row_of(r, r["libraries_gb"], reference) for r in records]
+
+
+# -- the blocks ----------------------------------------------------------------------------------
+def published(row):
+    """A script's published figures (minutes, GB, accuracy): the talk's, or the sequel's in italics
+    where its step matches (14's in brackets: the sequel's step had no activation checkpointing)."""
+    keys = ("time_min", "memory_gb", "test_acc_pct")
+    if row["time_min"]:
+        return [row[k] for k in keys]
+    if row["sequel_memory_gb"]:
+        wrap = "(*{}*)" if row["script"].startswith("14") else "*{}*"
+        return [wrap.format(row["sequel_" + k]) for k in keys]
+    return ["—"] * 3
+
+
+def scripts():
+    """README: the one table of the scripts."""
+    rows = talk()
+    memory = {r["number"]: r for r in memory_rows("sequel", "vit_b_16") + memory_rows("talk")}  # the talk's first
+    smoke = smoke_runs()
+    names = {script[:2]: script for script in rows}
+    lines = ["| script | technique | against | changed lines (budget) | talk: min | talk: GB | talk: acc. % "
+             "| memory GB (CPU) | `--smoke` acc. % |", "|---|---|---|---|---|---|---|---|---|"]
+    for script, row in rows.items():
+        changed = f"{changed_lines(names[row['against']], script)} ({row['budget']})" if row["against"] else "—"
+        m = memory.get(script[:2])
+        processes = f" ({m['record']['world_size']} processes)" if m and m["record"]["world_size"] > 1 else ""
+        mem = f"{m['less']:.2f}{processes}" if m else "—"
+        seeds = seeds_of(script, smoke)
+        acc = f"{statistics.mean(r['test_acc'] for r in seeds.values()) * 100:.2f}" if seeds else "—"
+        if 0 < len(seeds) < 3:
+            acc += f" ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
+        lines.append(f"| `{script}` | {row['technique']} | {row['against'] or '—'} | {changed} | "
+                     + " | ".join(published(row)) + f" | {mem} | {acc} |")
+    return "\n".join(lines)
+
+
+def smoke_table(numbers, caption_scripts):
+    """The smoke runs of some scripts: each seed's test accuracy, the mean and the training time."""
+    records, names = smoke_runs(), {s[:2]: s for s in talk()}
+    chosen = [r for r in records if r["script"][:2] in numbers]
+    seeds = sorted({r["seed"] for r in chosen}, key=[123, 1, 2].index)
+    lines = [f"Measured on {when(chosen)} (`reference/smoke-runs.jsonl`, {caption_scripts}):", "",
+             f"| script | epochs | test accuracy %, seeds {' / '.join(map(str, seeds))} | mean | training s, mean |",
+             "|---|---|---|---|---|"]
+    for number in numbers:
+        runs = seeds_of(names[number], records)
+        values = [runs[s]["test_acc"] for s in seeds if s in runs]
+        lines.append(f"| {number}, {talk()[names[number]]['technique']} | {runs[seeds[0]]['epochs']} | "
+                     f"{accuracy(values)} | {statistics.mean(values) * 100:.2f} | "
+                     f"{statistics.mean(r['train_time_s'] for r in runs.values()):.1f} |")
+    return "\n".join(lines)
+
+
+def smoke_seeds():
+    return smoke_table(["00", "01", "03", "04"], "charted in `reference/smoke-comparison.png`")
+
+
+def memory_lessons_smoke():
+    return smoke_table(["04", "11", "12", "13", "14", "15"], "the lessons beside 04")
+
+
+def fast_recipe_smoke():
+    return smoke_table(["04", "09"], "09 beside 04")
+
+
+def memory_table(table):
+    import benchmark_memory
+    rows = memory_rows(table)
+    records = [r["record"] for r in rows]
+    return (f"Measured on {when(records)}, each run's record in `reference/memory-runs.jsonl`; the libraries "
+            f"held {rows[0]['record']['libraries_gb']:.2f} GB:\n\n"
+            + benchmark_memory.memory_tables(rows, rows[0]["record"]["libraries_gb"], [], cuda=False).split("\n", 2)[2])
+
+
+def memory_talk():
+    return memory_table("talk")
+
+
+def memory_sequel():
+    return memory_table("sequel")
+
+
+def memory_strategies():
+    import benchmark_memory
+    return benchmark_memory.strategy_table(read_records(REFERENCE / "memory-strategies.jsonl"))
+
+
+def throughput_smoke():
+    """docs/benchmarks.md: benchmark.py --smoke's report as it wrote it."""
+    return (REFERENCE / "benchmark-smoke.md").read_text().strip()
+
+
+def suite_time():
+    """How long the tests take, as measured on a clean clone."""
+    runs = read_records(REFERENCE / "test-suite-runs.jsonl")
+    full = [r for r in runs if r["tier"] == "all"]
+    quick = [r for r in runs if r["tier"] == "quick"]
+    minutes = lambda s: f"{int(s // 60)} min {int(round(s % 60))} s"  # noqa: E731
+    quick_times = " and ".join(f"{r['seconds']:.0f} s" for r in quick)
+    return (f"{full[-1]['tests']} tests in " + " and ".join(minutes(r["seconds"]) for r in full)
+            + f" on {when(full)}, from a clean clone with torch.compile's cache empty; the quick tier, "
+            f"{quick[-1]['tests']} tests, in {quick_times}.")
+
+
+def smoke_weights():
+    provenance = json.loads((ROOT / "smoke_weights" / "smoke-vit-printed-digits.json").read_text())
+    return (f"{provenance['pretext_test_accuracy'] * 100:.1f}% accuracy on 2,000 unseen printed digits; "
+            f"`python make_smoke_weights.py` made the same tensors again in {provenance['seconds']} s on "
+            f"{provenance['machine'].replace('CPU ', '')} ({provenance['made'][:10]}).")
+
+
+def save_time():
+    """docs/resume-save-load.md: how long a checkpoint of the talk's size takes to write."""
+    records = read_records(REFERENCE / "save-time-runs.jsonl")
+    lines = [f"Measured on {when(records)} (`reference/save-time-runs.jsonl`: 04 `--synthetic "
+             "--accelerator cpu --max-steps 4 --epochs 3`, one checkpoint an epoch):", "",
+             "| model | checkpoint (model and Adam's state) GB | seconds to write, each epoch's |", "|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['model'].replace('vit_', 'ViT-').replace('_16', '/16').replace('ViT-b', 'ViT-B').replace('ViT-l', 'ViT-L')} "
+                     f"| {r['checkpoint_gb']:.2f} | {', '.join(f'{s:.1f}' for s in r['checkpoint_s'])} |")
+    return "\n".join(lines)
+
+
+def epochs():
+    """docs/flags-records-exit-codes.md: the epochs each script trains, in full and --smoke."""
+    from run_keeping.flags import SMOKE_EPOCHS
+    by = {}
+    for script, row in talk().items():
+        if not row["epochs"]:
+            continue  # 08 trains nothing
+        full = int(row["epochs"])
+        by.setdefault((full, SMOKE_EPOCHS.get(full, 2)), []).append(script[:2])
+    return "; ".join(f"{', '.join(numbers)}: {full} (`--smoke`: {smoke})" for (full, smoke), numbers in by.items())
+
+
+BLOCKS = {"scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
+          "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-sequel": memory_sequel,
+          "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
+          "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
+
+
+def rewritten(text):
+    """The page with every block made again, and the names of the blocks it has."""
+    names = []
+
+    def make(match):
+        names.append(match[2])
+        if match[2] not in BLOCKS:
+            raise SystemExit(f"figures.py: error: no block called {match[2]!r}")
+        return match[1] + BLOCKS[match[2]]().strip() + "\n" + match[4]
+    return BLOCK.sub(make, text), names
+
+
+def differing():
+    """[(page, block names)] of the pages whose blocks differ from what their records make."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        new, names = rewritten(text)
+        if new != text:
+            old_blocks = dict((m[2], m[3]) for m in BLOCK.finditer(text))
+            new_blocks = dict((m[2], m[3]) for m in BLOCK.finditer(new))
+            found.append((page.relative_to(ROOT).as_posix(), [n for n in names if old_blocks[n] != new_blocks[n]]))
+    return found
+
+
+def charts():
+    """The charts in reference/, from the same records."""
+    import benchmark_memory
+    import plot_results
+    records = smoke_runs()
+    kind, latest, _ = plot_results.select(records, "smoke")
+    plot_results.save(plot_results.figure(latest, plot_results.load_reference(), kind), REFERENCE / "smoke-comparison.png")
+    for table in ("talk", "sequel"):
+        rows = memory_rows(table)
+        benchmark_memory.staircase_chart(rows, REFERENCE / f"memory-{table}.png", rows[0]["record"]["device_name"],
+                                         when=datetime.fromisoformat(rows[-1]["record"]["timestamp"]))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="say which blocks differ; change nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        found = differing()
+        for page, names in found:
+            print(f"{page}: {', '.join(names)} differ from their records (python tools/figures.py makes them again)")
+        sys.exit(1 if found else 0)
+    for page in PAGES:
+        page.write_text(rewritten(page.read_text())[0])
+    charts()
+    print("figures.py: every block and chart made again from reference/")
+
+
+if __name__ == "__main__":
+    main()
