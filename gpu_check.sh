@@ -23,8 +23,7 @@ PYTHON=${PYTHON:-python}
 out=${GPU_CHECK_DIR:-results/gpu-check}
 smoke=no
 case " $* " in *" --smoke "*) smoke=yes ;; esac
-"$PYTHON" "$here/tools/preflight.py" >&2 || exit $?
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
+gpus=$("$PYTHON" "$here/tools/preflight.py" --count-gpus) || exit $?
 if [ "$gpus" -eq 0 ] && [ "$smoke" = no ]; then
   echo "gpu_check.sh: error: no CUDA GPU found (torch sees none). On a CPU, run the same" \
        "check at smoke size: bash gpu_check.sh --smoke" >&2

@@ -47,7 +47,7 @@ def resume_command(flags=None):
 
 def start_over_command(folder):
     """The commands that drop the unfinished run in `folder` and start this one afresh."""
-    return f"rm -r {shlex.quote(str(folder))} && {invoked(*started_flags())}"
+    return f"rm -rf {shlex.quote(str(folder))} && {invoked(*started_flags())}"
 
 
 def kind_flags(kind):

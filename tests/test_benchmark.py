@@ -248,8 +248,8 @@ def test_gpu_check_runs_10_only_where_the_scripts_see_two_gpus(tmp_path, seen, l
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * listed)
-    python = bin_dir / "python-stand-in"  # the preflight passes, torch counts $GPUS, benchmark.py
-    python.write_text('#!/bin/sh\ncase "$1" in */tools/preflight.py) exit 0 ;; -c) echo "$GPUS"; exit 0 ;; esac\n'
+    python = bin_dir / "python-stand-in"  # the preflight passes and counts $GPUS; benchmark.py
+    python.write_text('#!/bin/sh\ncase "$1" in */tools/preflight.py) echo "$GPUS"; exit 0 ;; esac\n'
                       'echo "$@" >> "$ARGS"\nwhile [ $# -gt 0 ]; do\n'  # records what it was asked
                       '  [ "$1" = --report ] && echo "| the table of $2 |" > "$2"\n  shift\ndone\n')
     for tool in (smi, python):

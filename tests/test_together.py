@@ -106,6 +106,13 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     assert first.returncode == 130, first.stderr[-2000:]
     go_on = printed(first.stderr, "continue with: ")
     assert go_on == f"python '{script}' --smoke --checkpoint-dir 'ck pts/a b' --resume", go_on
+    fresh = subprocess.run([sys.executable, str(script), "--smoke", "--checkpoint-dir", "ck pts/a b"],
+                           cwd=here, env=env, capture_output=True, text=True, timeout=240)
+    assert fresh.returncode == 2 and "holds the checkpoint of an unfinished run" in fresh.stderr
+    assert printed(fresh.stderr, "continue it with: ") == go_on
+    over = fresh.stderr.split("or start over with: ")[1].strip()
+    assert over == f"rm -rf 'ck pts/a b' && python '{script}' --smoke --checkpoint-dir 'ck pts/a b'", over
+
     resumed = run_printed(go_on)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "1 of 2 epochs done and 16 of 74 batches of the next" in resumed.stdout  # step 90
@@ -114,17 +121,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     assert record["train_loss"] == pytest.approx(baseline["train_loss"], rel=1e-6)  # one process: exact
     assert (record["val_acc"], record["test_acc"], record["lr"], record["steps"]) == \
         (baseline["val_acc"], baseline["test_acc"], baseline["lr"], baseline["steps"])
-
-    again = subprocess.run([sys.executable, str(script), "--smoke", "--checkpoint-dir", "ck pts/a b"],
-                           cwd=here, env=interrupted, capture_output=True, text=True, timeout=240)
-    assert again.returncode == 130
-    fresh = subprocess.run([sys.executable, str(script), "--smoke", "--checkpoint-dir", "ck pts/a b"],
-                           cwd=here, env=env, capture_output=True, text=True, timeout=240)
-    assert fresh.returncode == 2 and "holds the checkpoint of an unfinished run" in fresh.stderr
-    assert printed(fresh.stderr, "continue it with: ") == go_on
-    over = fresh.stderr.split("or start over with: ")[1].strip()
-    assert over == f"rm -r 'ck pts/a b' && python '{script}' --smoke --checkpoint-dir 'ck pts/a b'", over
-    started_over = run_printed(over)
+    started_over = run_printed(over)  # after the run it would have dropped has finished: a fresh one
     assert started_over.returncode == 0, started_over.stderr[-2000:]
     assert read_records(here / "results" / "runs.jsonl")[-1]["resumed"] is False
 

@@ -5,7 +5,8 @@ written by the function of that NAME below; the charts in reference/ are drawn f
 records. A user's runs never write reference/: its records are added by hand, from runs made
 for the purpose (each block says which command made them).
 
-    python tools/figures.py            # rewrite every block, redraw the charts
+    python tools/figures.py            # rewrite every block
+    python tools/figures.py --charts   # and redraw the charts in reference/
     python tools/figures.py --check    # which blocks differ from their records (exit 1); the tests run it
 """
 import argparse
@@ -249,6 +250,7 @@ def charts():
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="say which blocks differ; change nothing")
+    parser.add_argument("--charts", action="store_true", help="also redraw the charts in reference/")
     args = parser.parse_args(argv)
     if args.check:
         found = differing()
@@ -256,9 +258,12 @@ def main(argv=None):
             print(f"{page}: {', '.join(names)} differ from their records (python tools/figures.py makes them again)")
         sys.exit(1 if found else 0)
     for page in PAGES:
-        page.write_text(rewritten(page.read_text())[0])
-    charts()
-    print("figures.py: every block and chart made again from reference/")
+        new = rewritten(page.read_text())[0]
+        if new != page.read_text():
+            page.write_text(new)
+    if args.charts:
+        charts()
+    print("figures.py: every block made again from reference/" + (", and the charts" if args.charts else ""))
 
 
 if __name__ == "__main__":

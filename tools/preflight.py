@@ -3,7 +3,7 @@ there? Imports each (torch and Lightning take seconds), and for each that fails 
 module that is missing (watermark, say, lacks IPython) and the wheel that brings it, in one
 line: exit 4 if any is missing (gpu_check.sh documents the code), 0 if none.
 
-    python tools/preflight.py
+    python tools/preflight.py                # --count-gpus: then print how many GPUs torch sees
 
 Uses nothing but Python's own library until it imports the suite's.
 """
@@ -61,7 +61,10 @@ def main():
     if line:
         print(f"preflight: error: {line}", file=sys.stderr)
         sys.exit(MISSING)
-    print("preflight: every module the scripts import is there.")
+    print("preflight: every module the scripts import is there.", file=sys.stderr)
+    if "--count-gpus" in sys.argv:  # as the scripts count them (CUDA_VISIBLE_DEVICES limits it)
+        import torch
+        print(torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 if __name__ == "__main__":
