@@ -259,8 +259,7 @@ def bare_loop(args):
     if spec["checkpointing"]:
         apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, EncoderBlock))
     model = fabric.setup_module(model)
-    make = {"Adam": lambda p: torch.optim.Adam(p, lr=5e-5), "SGD": lambda p: torch.optim.SGD(p, lr=0.01)}
-    optimizer = fabric.setup_optimizers(make[spec["optimizer"]](model.parameters()))
+    optimizer = fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(), fabric.device))
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     features = torch.rand(spec["batch"] // micro, 3, size, size, device=fabric.device)
     targets = torch.randint(0, 10, (spec["batch"] // micro,), device=fabric.device)
@@ -285,6 +284,14 @@ def bare_loop(args):
                                         "peak_memory_gb": float(memory)}))
     fabric.barrier()
     leave(0)  # run_keeping/errors.py: why a multi-process run ends so
+
+
+def make_optimizer(name, parameters, device):
+    """The optimizer a record names (Adam, AdamW, SGD: any of torch.optim's), as a script makes
+    it: the fused kernel on a GPU where it has one (09's AdamW), the learning rate its lessons'."""
+    kind = getattr(torch.optim, name)
+    fused = {"fused": True} if device.type == "cuda" and name in ("Adam", "AdamW") else {}
+    return kind(parameters, lr=0.01 if name == "SGD" else 5e-5, **fused)
 
 
 class Cifar10Shaped(torch_data.Dataset):

@@ -4,6 +4,7 @@ processes each memory run plans), run on records of every precision and strategy
 can produce, as an A100, an H100, an H200 and a GPU no table knows would have written them.
 Only torch.cuda's answers (the GPU's name, count and memory) are stood in for: every lookup keyed
 by a precision, a strategy or a device name meets each value a script can produce."""
+import json
 import re
 
 import pytest
@@ -51,7 +52,7 @@ def as_on(record, name, **changes):
 def every_kind_of_record(smoke_runs):
     """Real records of every precision and strategy the scripts produce on this CPU, and, made
     from them, the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
-    records = [smoke_runs(s).record for s in SCRIPTS if not s.startswith("00")]
+    records = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
     records += [dict(r, precision=p, script=r["script"]) for r in records if r["precision"] == "bf16-mixed"
                 for p in FALLBACKS["single-device" if r["strategy"] in ("single-device", "ddp") else "sharded"]]
     assert {r["precision"] for r in records} >= precisions_the_scripts_produce()
@@ -146,3 +147,26 @@ def test_every_peak_lookup_answers(name, gpu):
             assert peak is None, (name, precision)
         else:
             assert peak > 0, (name, precision)
+
+
+@pytest.mark.slow
+def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys):
+    """benchmark.py's bare loop of each configuration the scripts' records describe: its
+    strategy and parallelize function (15's offload), optimizer (14's SGD, 09's AdamW),
+    micro-batches and checkpointing are each made from the record's words; the one-process ones
+    run here, 4 steps each (the others would start processes: their strategy is made)."""
+    import argparse
+    import benchmark_memory
+    specs = {benchmark.bare_key(r): benchmark.bare_spec(r) for r in every_kind_of_record}
+    assert {s["optimizer"] for s in specs.values()} >= {"Adam", "AdamW", "SGD"}
+    assert {s["micro_batches"] for s in specs.values()} >= {1, 4} and any(s["checkpointing"] for s in specs.values())
+    for spec in specs.values():
+        benchmark_memory.make_strategy(spec["strategy"], spec["processes"], spec["tensor_parallel"], spec["parallelize"])
+        benchmark.make_optimizer(spec["optimizer"], torch.nn.Linear(2, 2).parameters(), torch.device("cpu"))
+        if spec["processes"] == 1:
+            args = argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu")
+            with pytest.raises(SystemExit) as exit_info:
+                benchmark.bare_loop(args)
+            assert exit_info.value.code == 0
+            line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("BARE "))
+            assert json.loads(line[5:])["images_per_s"] > 0, spec
