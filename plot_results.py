@@ -267,6 +267,7 @@ def short_label(record, reference):
     script = record["script"]
     technique = reference[script]["technique"].split(", stepped")[0].replace(", ImageNet-pretrained", "")
     init = (record.get("init") or "").split(",")[0]
+    init = "" if init in technique else init  # 00's technique says it already
     lines = [script[:2], textwrap.fill(technique, 15), *([textwrap.fill(init, 15)] if init else []),
              *differences(record, reference)]
     return "\n".join(lines)

@@ -96,14 +96,19 @@ def version(package):
 
 
 def device_name(accelerator):
+    """The GPU's name, or the CPU's model, cores and the bfloat16 matrix units it has (what makes
+    bf16 fast or slow on it)."""
     if accelerator == "cuda":
         return torch.cuda.get_device_name()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            info = f.read()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    return f"CPU {model} ({os.cpu_count()} cores)"
+        model, flags = platform.processor() or platform.machine(), []
+    units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+    return f"CPU {model} ({os.cpu_count()} cores{''.join(', ' + u for u in units)})"
 
 
 def peak_memory_gb(accelerator):

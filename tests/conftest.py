@@ -214,6 +214,21 @@ def run_in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@contextlib.contextmanager
+def in_memory():
+    """A scratch folder in memory (/dev/shm, where the machine has it) for a run's large files
+    that a test does not read (a ViT-B/16 checkpoint is 1 GB: seconds to write to disk), removed
+    afterwards. A tmpfs file's pages are no process's resident memory, so memory figures are not
+    touched."""
+    import shutil
+    import tempfile
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

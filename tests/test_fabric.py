@@ -52,9 +52,16 @@ def test_fsdp_shards_the_model_across_two_processes(smoke_runs):
 
 @pytest.mark.slow
 def test_ddp_keeps_a_whole_copy_per_process(smoke_runs):
-    record = smoke_runs("05_fabric-vit-mixed-ddp.py").record
+    """And says so in words; each process says who started it, and no warning is printed once per
+    process (Fabric's all_gather went through a function torch deprecates)."""
+    run = smoke_runs("05_fabric-vit-mixed-ddp.py")
+    record = run.record
     assert (record["strategy"], record["world_size"]) == ("ddp", 2)
     assert record["parameters_per_process"] == [smoke_model_parameters()] * 2
+    assert f"Parameters held per process: each of the 2 processes holds all {smoke_model_parameters():,}" in run.out
+    for rank in (0, 1):
+        assert f"Process {rank} of 2, started by Lightning, which started this machine's processes itself." in run.out
+    assert "deprecated" not in run.out
     assert smoke_runs("04_fabric-vit-mixed-precision.py").record["parameters_per_process"] == \
         [smoke_model_parameters()]
 

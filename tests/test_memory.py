@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import benchmark_memory as bm
-from conftest import ROOT, read_records, script_env
+from conftest import ROOT, in_memory, read_records, script_env
 
 # what each script's record says it ran (run_keeping/record.py), for the arithmetic
 CHAIN = {
@@ -114,10 +114,12 @@ def run_the_chain(cwd):
     env = script_env(cwd, **bm.EXACT_MALLOC)
     records = {}
     for number in MEASURED:
-        proc = subprocess.run([sys.executable, str(ROOT / bm.SCRIPTS[number]), "--synthetic",
-                               "--accelerator", "cpu", "--batch-size", "4", "--max-steps", "4",
-                               "--save-model", str(cwd / f"{number}.pt")], cwd=cwd, env=env,
-                              capture_output=True, text=True, timeout=300)
+        with in_memory() as scratch:  # its 1 GB checkpoint and model file: written to memory
+            proc = subprocess.run([sys.executable, str(ROOT / bm.SCRIPTS[number]), "--synthetic",
+                                   "--accelerator", "cpu", "--batch-size", "4", "--max-steps", "4",
+                                   "--save-model", str(scratch / f"{number}.pt"), "--checkpoint-dir",
+                                   str(scratch / "checkpoints")], cwd=cwd, env=env,
+                                  capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         records[number] = read_records(cwd / "results" / "runs.jsonl")[-1]
     return {"records": records, "libraries": bm.libraries_gb(False)}

@@ -105,14 +105,18 @@ def test_the_schedule_multiplies_the_learning_rate_by_0_9_each_epoch(smoke_runs)
 
 @pytest.mark.slow
 def test_the_cosine_schedule_counts_optimizer_steps(smoke_runs):
-    """14's CosineAnnealingLR falls over the optimizer steps, one per 4 micro-batches (the
-    sequel's T_max counted batches, so its schedule had hardly begun to fall when it ended)."""
+    """14's CosineAnnealingLR falls over the optimizer steps, one per 4 micro-batches, to 0 at
+    the last (the sequel's T_max counted batches, so its schedule had hardly begun to fall when
+    it ended)."""
     record = smoke_runs("14_fabric-vit-sgd-cosine.py").record
     steps_per_epoch = record["steps"] // record["epochs"] // 4  # record["steps"]: micro-batches
     total = record["epochs"] * steps_per_epoch
     expected = [0.01 * (1 + math.cos(math.pi * k * steps_per_epoch / total)) / 2 for k in range(record["epochs"])]
     assert record["lr"] == pytest.approx(expected, rel=1e-6)
     assert record["lr"][-1] <= 0.0051  # half-way down after one of two epochs
+    # and at 0 after the last optimizer step: T_max is the run's optimizer steps (a T_max counted
+    # in micro-batches, 4 times as many, would leave it near its start)
+    assert record["lr_end"] == pytest.approx(0.0, abs=1e-12)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.files import read_records  # noqa: E402
+from run_keeping.flags import VITS  # noqa: E402
 
 REFERENCE = ROOT / "reference"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -88,7 +89,9 @@ def scripts():
     memory = {r["number"]: r for r in memory_rows("sequel", "vit_b_16") + memory_rows("talk")}  # the talk's first
     smoke = smoke_runs()
     names = {script[:2]: script for script in rows}
-    lines = ["| script | technique | against | changed lines (budget) | talk: min | talk: GB | talk: acc. % "
+    lines = [f"Memory measured on {when([m['record'] for m in memory.values()])}; `--smoke` on {when(smoke)} "
+             "(`reference/`).", "",
+             "| script | technique | against | changed lines (budget) | talk: min | talk: GB | talk: acc. % "
              "| memory GB (CPU) | `--smoke` acc. % |", "|---|---|---|---|---|---|---|---|---|"]
     for script, row in rows.items():
         changed = f"{changed_lines(names[row['against']], script)} ({row['budget']})" if row["against"] else "—"
@@ -173,10 +176,15 @@ def suite_time():
 
 
 def smoke_weights():
-    provenance = json.loads((ROOT / "smoke_weights" / "smoke-vit-printed-digits.json").read_text())
-    return (f"{provenance['pretext_test_accuracy'] * 100:.1f}% accuracy on 2,000 unseen printed digits; "
-            f"`python make_smoke_weights.py` made the same tensors again in {provenance['seconds']} s on "
-            f"{provenance['machine'].replace('CPU ', '')} ({provenance['made'][:10]}).")
+    """docs/smoke.md: the suite's weights, and what making them again gave."""
+    committed = json.loads((ROOT / "smoke_weights" / "smoke-vit-printed-digits.json").read_text())
+    again = json.loads((REFERENCE / "smoke-weights-made-again.json").read_text())
+    return (f"The suite's weights read {committed['pretext_test_accuracy'] * 100:.1f}% of 2,000 unseen printed digits. "
+            f"Made again on {again['machine'].replace('CPU ', '')} ({again['made'][:10]}; "
+            f"`reference/smoke-weights-made-again.json`), in {again['seconds']} s, they read "
+            f"{again['pretext_test_accuracy'] * 100:.1f}%, with "
+            + ("the same tensors." if again["same_tensors_as_the_suites"] else
+               "other tensors: this CPU's kernels round differently over the 1,500 steps."))
 
 
 def save_time():
@@ -184,10 +192,12 @@ def save_time():
     records = read_records(REFERENCE / "save-time-runs.jsonl")
     lines = [f"Measured on {when(records)} (`reference/save-time-runs.jsonl`: 04 `--synthetic "
              "--accelerator cpu --max-steps 4 --epochs 3`, one checkpoint an epoch):", "",
-             "| model | checkpoint (model and Adam's state) GB | seconds to write, each epoch's |", "|---|---|---|"]
+             "| model | parameters | checkpoint: float32 weights and Adam's two moments, GB | seconds to write, each epoch's |",
+             "|---|---|---|---|"]
     for r in records:
-        lines.append(f"| {r['model'].replace('vit_', 'ViT-').replace('_16', '/16').replace('ViT-b', 'ViT-B').replace('ViT-l', 'ViT-L')} "
-                     f"| {r['checkpoint_gb']:.2f} | {', '.join(f'{s:.1f}' for s in r['checkpoint_s'])} |")
+        parameters = r["parameters_per_process"][0]
+        lines.append(f"| {VITS[r['model']]} | {parameters / 1e6:.0f} M | {12 * parameters / 1e9:.2f} | "
+                     f"{', '.join(f'{s:.1f}' for s in r['checkpoint_s'])} |")
     return "\n".join(lines)
 
 
