@@ -141,6 +141,8 @@ def parse_args(argv=None):
         args.peak_tflops = {k: float(v) for k, v in (p.split("=", 1) for p in args.peak_tflops)}
     except ValueError:
         parser.error("--peak-tflops takes PRECISION=TFLOPS, e.g. 32-true=67 bf16-mixed=989")
+    if args.accelerator == "auto":  # the scripts' auto refuses a CPU without --smoke: synthetic runs are short
+        args.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = sorted(set(args.peak_tflops) - set(UNIT))
     if unknown:
         parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(UNIT)}")

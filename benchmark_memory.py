@@ -67,8 +67,7 @@ def memory_run(args):
     from run_keeping.model_file import count_local_parameters
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
-    accelerator = "cpu" if args.accelerator == "auto" and not torch.cuda.is_available() else \
-        "cuda" if args.accelerator == "auto" else args.accelerator
+    accelerator = args.accelerator  # auto is resolved by benchmark.parse_args
     fabric = L.Fabric(accelerator=accelerator, devices=processes, precision="bf16-mixed",
                       strategy=make_strategy(record_name, processes, tensor_parallel))
     fabric.launch()
@@ -138,7 +137,7 @@ def available_memory(cuda):
 def memory_report(args):
     """--memory: each strategy in processes of its own, the models in turn; a table beside the
     arithmetic, the chart, and the goal on ViT-L/16."""
-    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    cuda = args.accelerator == "cuda"
     gpus = torch.cuda.device_count() if cuda else 0
     budget, rows, notes = available_memory(cuda), [], []
     for strategy, (processes, _, _) in MEMORY_STRATEGIES.items():
@@ -382,7 +381,7 @@ def run_for_memory(number, vit, processes, args, folder, libraries):
     if process_range(script)[0]:  # 1 too, where a script's own default is 4
         flags += ["--devices", str(processes)]
     print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
-    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    cuda = args.accelerator == "cuda"
     proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True,
                           env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
     if proc.returncode != 0:
@@ -399,7 +398,7 @@ def talk_memory(args):
     """--memory --talk / --sequel: each script run as it is; its peak per process less the
     libraries beside the arithmetic, the talk's (or the sequel's) figure, images/s and speedup."""
     from plot_results import load_reference
-    cuda = args.accelerator == "cuda" or (args.accelerator == "auto" and torch.cuda.is_available())
+    cuda = args.accelerator == "cuda"
     scripts = args.memory_scripts or (SEQUEL_SCRIPTS if args.sequel else TALK_SCRIPTS)
     vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
         (list(VITS) if args.sequel else ["vit_b_16"])

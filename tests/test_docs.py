@@ -92,7 +92,7 @@ RUN = {
     "diff 04_fabric-vit-mixed-precision.py 11_fabric-vit-bf16-true.py": "diff 04_fabric-vit-mixed-precision.py 11_fabric-vit-bf16-true.py || true",
     "python 06_fabric-vit-mixed-fsdp.py --help": "python 06_fabric-vit-mixed-fsdp.py --help",
     "for seed in 123 1 2; do for s in 00 01 03 04; do python ${s}_*.py --smoke --seed $seed; done; done":
-        "for seed in 1; do for s in 00; do python ${s}_*.py --smoke --seed $seed; done; done",
+        "for seed in 1; do for s in 01; do python ${s}_*.py --smoke --seed $seed; done; done",
     "for seed in 123 1 2; do for s in 04 11 12 13 14 15; do python ${s}_*.py --smoke --seed $seed; done; done":
         "for seed in 1; do for s in 11; do python ${s}_*.py --smoke --seed $seed; done; done",
     "python plot_results.py --smoke": "python plot_results.py --smoke",
@@ -101,8 +101,6 @@ RUN = {
     "python 09_fabric-vit-fast.py --smoke": "python 09_fabric-vit-fast.py --smoke --max-steps 4 --epochs 1",
     "python benchmark.py --smoke": f"python benchmark.py --smoke --scripts 01 {SMALLEST}",
     "python benchmark.py --peaks": "python benchmark.py --peaks",
-    "python benchmark.py --memory --talk": "python benchmark.py --memory --talk --scripts 01",
-    "python benchmark.py --memory --sequel": "python benchmark.py --memory --sequel --scripts 11 --memory-models ViT-B/16",
     "bash gpu_check.sh": f"bash gpu_check.sh --smoke --scripts 01 {SMALLEST} --no-bare",
     "python make_smoke_weights.py": "python make_smoke_weights.py --images 100 --steps 2",
     "python tools/figures.py": "python tools/figures.py",
@@ -119,6 +117,9 @@ ELSEWHERE = {  # why a documented command does not run here, and what runs it or
     "python 08_load-and-evaluate.py --model models/06_fabric-vit-mixed-fsdp.pt": "a full run's model",
     "python 08_load-and-evaluate.py --predict cat.png truck.jpg": "a full run's model and your pictures",
     "python benchmark.py --memory": "minutes on ViT-B/16 and ViT-L/16; test_benchmark.py runs its steps",
+    "python benchmark.py --memory --talk": "a minute a script at 224 on a CPU, even the smallest; test_memory.py runs "
+                                           "the scripts at that size, test_gpu_rehearsal.py makes the tables and chart",
+    "python benchmark.py --memory --sequel": "as --memory --talk",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 "
     "06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "two machines; test_fabric.py runs two torchrun nodes here",
     "srun python 06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "a SLURM job; test_slurm.py runs it",
