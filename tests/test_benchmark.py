@@ -75,6 +75,22 @@ def test_mfu_and_ratios_in_the_rows():
     assert order == "04 > 01 = 03"
 
 
+@pytest.mark.parametrize("rates, told_apart", [
+    ([104, 104, 104], True),   # 4% faster in every round: more than TIE
+    ([102, 102, 102], False),  # 2% in every round: within TIE, tied
+    ([110, 110, 99], False),   # 10% in the median, but the slower in one round: tied
+])
+def test_the_ranking_tells_apart_only_what_every_round_agrees_on(rates, told_apart):
+    """Two configurations are ordered (>) only where one was faster in every round and by more
+    than TIE in the median; otherwise they are tied (=)."""
+    assert benchmark.TIE == 0.03  # the cases above straddle it
+    measured = {
+        ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 100, 100]), "bares": []},
+        ("02_pytorch-vit-compile.py", 16): {"records": round_records("02_pytorch-vit-compile.py", "32-true", rates), "bares": []}}
+    _, order = benchmark.ranking(benchmark.rows_of(measured, 1e9, benchmark.parse_args([])))
+    assert order == ("02 > 01" if told_apart else "02 = 01")
+
+
 def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
     args = benchmark.parse_args(["--smoke"])
     measured = {
@@ -85,7 +101,7 @@ def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
         record["device_name"] = "CPU Intel(R) Xeon(R) Processor (2 cores)"
     lines = benchmark.verdict(benchmark.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
     text = "\n".join(lines)
-    assert "From fastest to slowest (one process, batch 16; =: not told apart" in text and ": 01 > 04." in text
+    assert "From fastest to slowest (one process, batch 16; >: faster in every round" in text and ": 01 > 04." in text
     assert "BUSY MACHINE: the bare loops of one configuration ran up to 102% apart" in text
     assert f"--repeat {2 * args.repeat} --max-steps {2 * args.max_steps}" in text
     assert "What it cannot say: anything about a GPU" in text and "mostly its libraries" in text
