@@ -138,6 +138,12 @@ def test_loader_rate_is_measured():
     assert rates[0] > 0
 
 
+def checkout_files():
+    """Every file of the checkout but git's own and Python's bytecode, with its size and time."""
+    return {(str(p.relative_to(ROOT)), p.stat().st_size, p.stat().st_mtime_ns) for p in ROOT.rglob("*")
+            if p.is_file() and not {".git", "__pycache__"} & set(p.relative_to(ROOT).parts)}
+
+
 def table_rows(report):
     """The throughput table's rows, split into their columns."""
     return [line.strip("| ").split(" | ") for line in report.splitlines()
@@ -149,19 +155,23 @@ def test_gpu_check_at_smoke_size(tmp_path):
     """`bash gpu_check.sh --smoke`: its steps end to end on this CPU (the modules first, the GPU
     count, the scripts and their bare loops, the report, the input pipeline), with the table's
     figures taken from the records; run by the interpreter PYTHON names, which is not on PATH;
-    every output in its folder and nothing else left (no model files, no checkpoints)."""
-    env = dict(without_the_interpreter_on_path(tmp_path), GPU_CHECK_DIR=str(tmp_path / "out"),
+    every output in results/gpu-check/ under the folder it ran in, nothing else left (no model
+    files, no checkpoints), and the checkout as it was."""
+    env = dict(without_the_interpreter_on_path(tmp_path),
                PYTHON=sys.executable)  # an unactivated virtual environment's python, say
+    checkout = checkout_files()
     # at smoke size, and for the suite's time only the baseline, one round (every precision and
     # strategy goes through the report in test_gpu_rehearsal.py)
     flags = ["--smoke", "--max-steps", "8", "--repeat", "1", "--scripts", "01", "--loader-workers", "0", "1"]
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), *flags],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert checkout_files() == checkout  # nothing in the checkout written, added or removed
+    out = tmp_path / "results" / "gpu-check"  # its outputs' folder: under the folder it ran in
     assert "preflight: every module the scripts import is there." in proc.stderr
-    report = (tmp_path / "out" / "gpu-check.md").read_text()
+    report = (out / "gpu-check.md").read_text()
     assert report.startswith("## GPU check, ") and "no NVIDIA GPU: a CPU run; GPUs the scripts see: 0" in report
-    records = read_records(tmp_path / "out" / "gpu-check.jsonl")
+    records = read_records(out / "gpu-check.jsonl")
     assert [r["script"][:2] for r in records] == ["01"]
     assert all(r["synthetic"] and r["test_acc"] is None for r in records)
     rows = table_rows(report)
@@ -176,9 +186,9 @@ def test_gpu_check_at_smoke_size(tmp_path):
     assert scripts[0][6] == "1.00"  # 01 against itself, in the same round
     assert "What this run shows, on CPU" in report and "What it cannot say: anything about a GPU" in report
     # its own outputs, nothing else: no model file, no checkpoint, under it or where it ran
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu-check.jsonl", "gpu-check.md", "throughput.md"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "torch-home"] or \
-        sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.jsonl", "gpu-check.md", "throughput.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) in (["results"], ["results", "torch-home"])
+    assert sorted(p.name for p in out.parent.iterdir()) == ["gpu-check"]
     # the command benchmark.py prints for charting its records runs as printed
     hint = re.search(r"chart them with: (python \S*plot_results\.py [^)]*)\)", proc.stdout + proc.stderr)
     assert hint and "--smoke --synthetic" in hint[1], (proc.stdout + proc.stderr)[-2000:]

@@ -101,7 +101,6 @@ RUN = {
     "python 09_fabric-vit-fast.py --smoke": "python 09_fabric-vit-fast.py --smoke --max-steps 4 --epochs 1",
     "python benchmark.py --smoke": f"python benchmark.py --smoke --scripts 01 {SMALLEST}",
     "python benchmark.py --peaks": "python benchmark.py --peaks",
-    "bash gpu_check.sh": f"bash gpu_check.sh --smoke --scripts 01 {SMALLEST} --no-bare",
     "python make_smoke_weights.py": "python make_smoke_weights.py --images 100 --steps 2",
     "python tools/figures.py": "python tools/figures.py",
 }
@@ -124,6 +123,8 @@ ELSEWHERE = {  # why a documented command does not run here, and what runs it or
     "06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "two machines; test_fabric.py runs two torchrun nodes here",
     "srun python 06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "a SLURM job; test_slurm.py runs it",
     "bash tools/local_slurm.sh start DIR": "test_slurm.py runs it",
+    "bash gpu_check.sh": "its --smoke, from another folder, in test_benchmark.py, which checks that it leaves "
+                         "the checkout as it was",
     "bash tools/check_stack.sh minimums": "several GB of downloads", "bash tools/check_stack.sh h200": "several GB of downloads",
 }
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from conftest import read_records, run_script, script_env, write_fake_cifar10
+from conftest import in_memory, read_records, run_script, script_env, write_fake_cifar10
 
 POINT_CIFAR10_AT_LOCAL_SERVER = """
 import os
@@ -71,9 +71,10 @@ def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
         env = script_env(tmp_path, PYTHONPATH=str(site), FAKE_CIFAR10_URL=url,
                          DOWNLOAD_LOG=str(tmp_path / "downloads.log"),
                          no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
-        proc = run_script("05_fabric-vit-mixed-ddp.py", "--accelerator", "cpu", "--devices", "2",
-                          "--batch-size", "1", "--max-steps", "1", "--epochs", "1",
-                          "--num-workers", "0", cwd=tmp_path, env=env, timeout=300)
+        with in_memory() as scratch:  # its 1 GB checkpoint, not read here: written to memory
+            proc = run_script("05_fabric-vit-mixed-ddp.py", "--accelerator", "cpu", "--devices", "2",
+                              "--batch-size", "1", "--max-steps", "1", "--epochs", "1", "--num-workers", "0",
+                              "--checkpoint-dir", str(scratch / "checkpoints"), cwd=tmp_path, env=env, timeout=300)
     finally:
         server.shutdown()
     assert proc.returncode == 0, proc.stderr[-3000:]
