@@ -62,7 +62,11 @@ DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": t
           "16-mixed": torch.float16, "16-true": torch.float16, "64-true": torch.float64}
 REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
 STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
-BUSY = 0.10       # bare loops of one configuration further apart than this: a busy machine
+# Bare loops of one configuration further apart than this: a busy machine. On an idle 2-core
+# CPU they vary by up to about 10% from round to round (three runs of --smoke, Intel Xeon,
+# 2026-12-03), which the ranking's round-by-round rule absorbs; two busy loops beside the run
+# moved them by 170%. Twice the idle variation tells the two apart.
+BUSY = 0.20
 # Two configurations are told apart in the ranking only where one was the faster in every round
 # and by more than this in the median: a few rounds of two equal ones often come out in one order
 # by chance, and a margin keeps them tied (at the smoke size Fabric's own work per step costs 03

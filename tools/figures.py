@@ -163,6 +163,25 @@ def throughput_smoke():
     return (REFERENCE / "benchmark-smoke.md").read_text().strip()
 
 
+def throughput_smoke_repeats():
+    """docs/benchmarks.md: the ranking of benchmark.py --smoke's runs one after another (the three
+    in reference/benchmark-smoke-runs/, then the one above), each made again from its records."""
+    import benchmark
+    runs = [*sorted((REFERENCE / "benchmark-smoke-runs").glob("*.jsonl"), key=lambda p: int(p.stem)),
+            REFERENCE / "benchmark-smoke.jsonl"]
+    lines = []
+    for path in runs:
+        measured = {}
+        for record in read_records(path):
+            measured.setdefault((record["script"], record["batch_size"]), {"records": [], "bares": []})
+            measured[(record["script"], record["batch_size"])]["records"].append(record)
+        rows = benchmark.rows_of(measured, 0.0, argparse.Namespace(peak_tflops=None))
+        first = min(r["timestamp"] for r in read_records(path))
+        lines.append(f"- {first[:10]} {first[11:16]} UTC: {benchmark.ranking(rows)[1]}")
+    return (f"`python benchmark.py --smoke`, {len(runs)} runs on the idle {when(read_records(runs[-1]))}, "
+            "ranked from fastest to slowest:\n\n" + "\n".join(lines))
+
+
 def suite_time():
     """How long the tests take, as measured on a clean clone."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
@@ -216,6 +235,7 @@ def epochs():
 BLOCKS = {"scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
           "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
+          "throughput-smoke-repeats": throughput_smoke_repeats,
           "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
 
 
