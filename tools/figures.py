@@ -189,7 +189,9 @@ def suite_time():
     quick = [r for r in runs if r["tier"] == "quick"]
     minutes = lambda s: f"{int(s // 60)} min {int(round(s % 60))} s"  # noqa: E731
     quick_times = " and ".join(f"{r['seconds']:.0f} s" for r in quick)
-    return (f"{full[-1]['tests']} tests in " + " and ".join(minutes(r["seconds"]) for r in full)
+    times = [minutes(r["seconds"]) for r in full]
+    times = ", ".join(times[:-1]) + " and " + times[-1] if len(times) > 1 else times[0]
+    return (f"{full[-1]['tests']} tests in {times} ({len(full)} runs)"
             + f" on {when(full)}, from a clean clone with torch.compile's cache empty; the quick tier, "
             f"{quick[-1]['tests']} tests, in {quick_times}.")
 
