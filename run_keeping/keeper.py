@@ -26,6 +26,7 @@ class RunKeeper:
         self.checkpoints = Checkpoints(args, fabric, self.rank)
         self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
         self.training, self.stop_wanted, self.stop_signal = False, 0, None
+        self.finishing = self.finished = False  # writing the model and record; written
         signals.install(self)
         on_exit(self.checkpoints.release)
         together(fabric, lambda: self.checkpoints.claim() if self.rank == 0 else None, quiet=True)
@@ -161,7 +162,11 @@ class RunKeeper:
                    "steps and each epoch's first are not)")
         self.print("Synthetic data: no accuracy" if self.args.synthetic else
                    f"Test accuracy {test_acc * 100:.2f}%")
+        self.finishing = True  # a signal now waits until the model and the record are written
         together(self.fabric, lambda: keep(self, state, totals, images_per_s, memory, test_acc) if self.rank == 0 else None)
+        self.finishing, self.finished = False, True
+        if self.stop_wanted:
+            signals.stop_now(self, self.stop_signal)
         if self.world_size > 1:
             leave(0)  # the run is done: the last line of every script
 

@@ -38,8 +38,9 @@ def lost_peer(keeper, err):
 
 def on_signal(keeper, signum):
     """In training: note the stop, which the next optimizer step (or the epoch's checkpoint)
-    carries out; otherwise, or at a second signal, stop now."""
-    if keeper.training and not keeper.stop_wanted:
+    carries out; while the finished run writes its model and record: note it, and stop once
+    they are written; otherwise, or at a second signal, stop now."""
+    if (keeper.training or keeper.finishing) and not keeper.stop_wanted:
         keeper.stop_wanted, keeper.stop_signal = EXIT_CODES[signum], signum
         return
     stop_now(keeper, signum)
@@ -48,6 +49,16 @@ def on_signal(keeper, signum):
 def stop_now(keeper, signum):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if keeper.finished:
+        # the run is whole and written; the signal may come while the interpreter shuts down,
+        # where a SystemExit is ignored (with a traceback): leave at once
+        if keeper.rank == 0:
+            print(f"\n{keeper.args.script}: interrupted ({signal.Signals(signum).name}) after the run "
+                  f"finished: its record is in {keeper.args.results} and its model in "
+                  f"{keeper.args.save_model}.", file=sys.stderr, flush=True)
+        clean_up()
+        sys.stdout.flush()
+        os._exit(EXIT_CODES[signum])
     last = keeper.checkpoints.last
     where = (f"last checkpoint: {last}; continue with: {resume_command()}" if last else
              "no checkpoint yet (one is written after each epoch, and where the run is when it "

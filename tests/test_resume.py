@@ -208,11 +208,25 @@ def test_a_signal_mid_epoch_saves_where_the_run_is(smoke_runs, tmp_path, script,
         assert record[key] == baseline[key], key
 
 
+SIGNAL_AT_THE_END = """
+import atexit, os, signal, sys, time
+def _signal():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)  # the handler runs here, at the next bytecode
+if os.environ["SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
+    sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("runs.jsonl")
+                     and isinstance(args[2], int) and args[2] & os.O_APPEND and _signal())
+else:  # once the script has ended, as the interpreter shuts down (this runs last of all)
+    atexit.register(_signal)
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     """Ctrl-C while the libraries load, while the run is set up, in training and in its last
     evaluation: one line each, exit 130, no traceback, and nothing written unless a checkpoint
-    of where it was."""
+    of where it was. While the finished run writes its record and after it has ended: the model
+    and record written, the checkpoints gone, one line saying so, exit 130."""
     moments = {"loading": 0.3, "importing": 1.5}
     procs = {}
     for moment, delay in moments.items():
@@ -238,6 +252,23 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
         assert proc.returncode == 130 and "Traceback" not in out, (moment, out[-2000:])
         assert len([line for line in out.splitlines() if "interrupted (SIGINT)" in line]) == 1, out[-2000:]
         assert not (folder / "results").exists()
+    # while the finished run writes its record, and once it has ended: it is whole and written,
+    # and the line says so, with nothing to continue
+    site = tmp_path / "site-end"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGNAL_AT_THE_END)
+    for moment in ("record", "shutdown"):
+        folder = tmp_path / moment
+        folder.mkdir()
+        proc = run_script("01_pytorch-vit.py", "--smoke", cwd=folder,
+                          env=script_env(folder, PYTHONPATH=str(site), SIGNAL_WHEN=moment))
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 130 and "Traceback" not in out, (moment, out[-2000:])
+        lines = [line for line in out.splitlines() if "interrupted (SIGINT)" in line]
+        assert lines == ["01_pytorch-vit.py: interrupted (SIGINT) after the run finished: its record is in "
+                         "results/runs.jsonl and its model in models/01_pytorch-vit-smoke.pt."], (moment, out[-2000:])
+        assert len(read_records(folder / "results" / "runs.jsonl")) == 1
+        assert (folder / "models" / "01_pytorch-vit-smoke.pt").exists() and not (folder / "checkpoints").exists()
 
 
 NAN_AT_THIRD_STEP = """
