@@ -25,8 +25,8 @@ class RunKeeper:
         self.world_size = fabric.world_size if fabric else 1
         self.checkpoints = Checkpoints(args, fabric, self.rank)
         self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
-        self.training, self.stop_wanted, self.stop_signal = False, 0, None
-        self.finishing = self.finished = False  # writing the model and record; written
+        self.training = self.finishing = self.finished = False  # finishing: writing model and record
+        self.stop_wanted, self.stop_signal = 0, None
         signals.install(self)
         on_exit(self.checkpoints.release)
         together(fabric, lambda: self.checkpoints.claim() if self.rank == 0 else None, quiet=True)
@@ -164,9 +164,7 @@ class RunKeeper:
                    f"Test accuracy {test_acc * 100:.2f}%")
         self.finishing = True  # a signal now waits until the model and the record are written
         together(self.fabric, lambda: keep(self, state, totals, images_per_s, memory, test_acc) if self.rank == 0 else None)
-        self.finishing, self.finished = False, True
-        if self.stop_wanted:
-            signals.stop_now(self, self.stop_signal)
+        signals.written(self)  # a signal noted while they were written stops the run now
         if self.world_size > 1:
             leave(0)  # the run is done: the last line of every script
 

@@ -46,6 +46,13 @@ def on_signal(keeper, signum):
     stop_now(keeper, signum)
 
 
+def written(keeper):
+    """The finished run's model and record are written: a signal noted meanwhile stops it now."""
+    keeper.finishing, keeper.finished = False, True
+    if keeper.stop_wanted:
+        stop_now(keeper, keeper.stop_signal)
+
+
 def stop_now(keeper, signum):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
