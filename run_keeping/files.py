@@ -1,10 +1,12 @@
 """Files that are whole or absent: written beside their final name and renamed into place,
 records appended in one write; a failed write says which file and why in one line (exit 1)."""
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from run_keeping.errors import fail
@@ -12,7 +14,7 @@ from run_keeping.errors import fail
 
 def unwritable(path, folder=False):
     """Why `path` cannot be written (a file, or with folder=True a folder to write into), or
-    None; creates nothing (a file, or the folders to come)."""
+    None; leaves nothing behind (a file it writes to try the folder is removed at once)."""
     path = Path(path).absolute()
     if path.is_dir() and not folder:
         return "it is a folder"
@@ -25,7 +27,16 @@ def unwritable(path, folder=False):
         return f"{parent} is a file, not a folder"
     target = path if path.exists() else parent
     if os.access(target, os.W_OK):
-        return None
+        if not target.is_dir():
+            return None
+        try:  # access() answers from the permission bits; some folders (/proc, /sys) refuse all the same
+            fd, probe = tempfile.mkstemp(dir=target, prefix=".write-check-")
+            os.close(fd)
+            os.unlink(probe)
+            return None
+        except OSError as err:
+            if err.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                return f"{target} takes no new files ({err.strerror})"
     try:
         read_only = os.statvfs(target).f_flag & os.ST_RDONLY
     except OSError:

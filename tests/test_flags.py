@@ -8,6 +8,7 @@ import re
 import runpy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,8 @@ def places(tmp_path):
     a_file.write_text("not what the flag wants\n")
     a_folder.mkdir()
     found = {"file": str(a_file), "folder": str(a_folder), "under a file": str(a_file / "x")}
+    if Path("/proc/self").is_dir():  # Linux's /proc: root's permission bits say yes, yet it takes no file
+        found["takes no files"] = "/proc/suite-check"
     read_only = tmp_path / "read-only"
     read_only.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)],
@@ -69,6 +72,11 @@ def places(tmp_path):
         found["read-only"] = str(read_only / "x")
     yield found
     subprocess.run(["umount", str(read_only)], capture_output=True)
+
+
+def elsewhere(places):
+    """The places this machine has that no flag can write to: read-only, and taking no files."""
+    return [(kind, places[kind]) for kind in ("read-only", "takes no files") if kind in places]
 
 
 def wrong_values(flag, takes, places, read=False):
@@ -83,11 +91,9 @@ def wrong_values(flag, takes, places, read=False):
     if takes in ("N", "N [N ...]"):
         return [("a word", "abc"), ("a fraction", "1.5"), ("below its least", "-1")]
     if takes == "DIR":
-        return [("a file", places["file"]), ("under a file", places["under a file"])] + \
-            ([("read-only", places["read-only"])] if "read-only" in places else [])
+        return [("a file", places["file"]), ("under a file", places["under a file"])] + elsewhere(places)
     if takes in ("FILE", "PATH", "PNG"):
-        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + \
-            ([("read-only", places["read-only"])] if "read-only" in places else [])
+        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + elsewhere(places)
     if takes.startswith("IMAGE"):
         return [("missing", places["folder"] + "/none.png"), ("not an image", places["file"])]
     if takes.startswith("NN"):
