@@ -78,14 +78,16 @@ def clean_up():
             pass
 
 
-def leave(code):
-    """Exit with `code`, once the run has let go of what it held (on_exit). A process of a multi-process run on gloo (CPUs) leaves at once, without
-    the interpreter's shutdown: after a collective, gloo's worker thread releases its tensors a
+def leave(code, at_once=False):
+    """Exit with `code`, once the run has let go of what it held (on_exit). With `at_once`, without
+    the interpreter's shutdown, which may be under way and ignores a SystemExit raised in it. A
+    process of a multi-process run on gloo (CPUs) leaves at once too, without the interpreter's
+    shutdown: after a collective, gloo's worker thread releases its tensors a
     moment later, and during the shutdown that release aborts the process ("terminate called
     without an active exception"; pytorch/pytorch#190489), which left a torchrun node waiting
     at its exit barrier. Lightning tears NCCL groups down itself; anywhere else: SystemExit."""
     clean_up()
-    if multi_process_gloo():
+    if at_once or multi_process_gloo():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -56,16 +56,10 @@ def written(keeper):
 def stop_now(keeper, signum):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if keeper.finished:
-        # the run is whole and written; the signal may come while the interpreter shuts down,
-        # where a SystemExit is ignored (with a traceback): leave at once
-        if keeper.rank == 0:
-            print(f"\n{keeper.args.script}: interrupted ({signal.Signals(signum).name}) after the run "
-                  f"finished: its record is in {keeper.args.results} and its model in "
-                  f"{keeper.args.save_model}.", file=sys.stderr, flush=True)
-        clean_up()
-        sys.stdout.flush()
-        os._exit(EXIT_CODES[signum])
+    if keeper.finished:  # whole and written; the interpreter may be shutting down: at once
+        stopped(keeper, f"interrupted ({signal.Signals(signum).name}) after the run finished: its record "
+                f"is in {keeper.args.results} and its model in {keeper.args.save_model}.",
+                EXIT_CODES[signum], at_once=True)
     last = keeper.checkpoints.last
     where = (f"last checkpoint: {last}; continue with: {resume_command()}" if last else
              "no checkpoint yet (one is written after each epoch, and where the run is when it "
@@ -73,12 +67,12 @@ def stop_now(keeper, signum):
     stopped(keeper, f"interrupted ({signal.Signals(signum).name}); {where}", EXIT_CODES[signum])
 
 
-def stopped(keeper, message, code):
+def stopped(keeper, message, code, at_once=False):
     """Process 0 says why the run stops in one line; every process lets go of the run's folder
     and leaves with `code`."""
     if keeper.rank == 0:
         print(f"\n{keeper.args.script}: {message}", file=sys.stderr, flush=True)
-    leave(code)
+    leave(code, at_once)
 
 
 def on_uncaught(keeper, kind, err, traceback):

@@ -20,6 +20,18 @@ from conftest import ROOT, TWO_NODES, check_ok, finish, images_bf16_may_flip, ki
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 
 
+def started_until_its_first_checkpoint(script, tmp_path):
+    """`script --smoke` started as its smoke run is (with an earlier record in its records file),
+    once its first epoch's checkpoint is there: (records file, checkpoint folder, processes,
+    whether the checkpoint came)."""
+    results = tmp_path / "results" / "runs.jsonl"
+    results.parent.mkdir()
+    results.write_text(EARLIER)
+    ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
+    procs = start(script, "--smoke", cwd=tmp_path)
+    return results, ckpt_dir, procs, wait_for(ckpt_dir / LATEST, procs[0])
+
+
 @pytest.mark.slow
 def test_a_lost_machine_stops_the_other_with_one_line(tmp_path):
     """06 on two torchrun nodes, node 1's agent and worker SIGKILLed after the first epoch's
@@ -27,12 +39,7 @@ def test_a_lost_machine_stops_the_other_with_one_line(tmp_path):
     its own, with a documented code, and the records file is as it was. (06's two processes
     continuing to the uninterrupted run's numbers: test_slurm.py's requeue.)"""
     script = TWO_NODES
-    results = tmp_path / "results" / "runs.jsonl"
-    results.parent.mkdir()
-    results.write_text(EARLIER)
-    ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
-    procs = start(script, "--smoke", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / LATEST, procs[0])
+    results, ckpt_dir, procs, reached = started_until_its_first_checkpoint(script, tmp_path)
     began = time.monotonic()
     kill_group(procs[1], signal.SIGKILL)
     try:
@@ -59,13 +66,7 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path):
     its rounding. (One process, DDP, a schedule and micro-batches resume in the tests of a stop
     mid-epoch below; FSDP in test_slurm.py's requeue; 09's compiled run in test_fast_recipe.py.)"""
     script = "10_fabric-vit-tensor-parallel.py"
-    results = tmp_path / "results" / "runs.jsonl"
-    results.parent.mkdir()
-    results.write_text(EARLIER)
-    ckpt_dir = tmp_path / "checkpoints" / (script[:-3] + "-smoke")
-
-    procs = start(script, "--smoke", cwd=tmp_path)
-    reached = wait_for(ckpt_dir / LATEST, procs[0])
+    results, ckpt_dir, procs, reached = started_until_its_first_checkpoint(script, tmp_path)
     outputs = [kill_group(p, signal.SIGKILL) for p in procs]
     assert reached, outputs[0][-3000:]
     # killed mid-training: the records file is as it was, and valid JSONL
