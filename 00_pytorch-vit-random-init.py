@@ -11,7 +11,7 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
-from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import torch
 import torch.nn.functional as F
 import torchmetrics

@@ -11,7 +11,7 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
-from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -58,7 +58,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3)  # instead of 10: finetuning needs fewer epochs
+    args = parse_args(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
     keeper = RunKeeper(args)  # run records, checkpoints, --resume, Ctrl-C: run_keeping/
     device = torch.device(args.accelerator)
     print(watermark(packages="torch,torchvision,lightning", python=True))
@@ -72,7 +72,7 @@ if __name__ == "__main__":
     #########################################
     ### 2 Initializing the Model
     #########################################
-    model = build_vit(weights="IMAGENET1K_V1", args=args)  # instead of weights=None: ImageNet-pretrained
+    model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
 
     # replace output layer
     model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)

@@ -11,18 +11,18 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
-from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
-import lightning as L  # new
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+import lightning as L  # [03] new
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from watermark import watermark
 
 from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
-from local_utilities import fsdp_each_encoder_block  # new: FSDP2, shard by shard
+from local_utilities import fsdp_each_encoder_block  # [06] new: FSDP2, shard by shard
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # instead of (..., keeper)
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # [03] instead of (..., keeper): the loop calls fabric
     start = time.time()
     for epoch in range(keeper.start_epoch, num_epochs):
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
@@ -36,7 +36,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
             loss = F.cross_entropy(logits, targets)
 
             optimizer.zero_grad()
-            fabric.backward(loss)  # instead of loss.backward()
+            fabric.backward(loss)  # [03] instead of loss.backward()
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
@@ -44,7 +44,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
             ### LOGGING
             if not batch_idx % 300:
-                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # instead of print: once per machine
+                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # [03] instead of print: once per machine
 
             model.eval()
             with torch.no_grad():
@@ -53,48 +53,48 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # instead of print
+        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
         keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3, devices=4)  # instead of parse_args(epochs=3): four devices
-    fabric = L.Fabric(  # new: Fabric runs the device, precision and processes
+    args = parse_args(epochs=3, devices=4)  # [05] instead of parse_args(epochs=3): four devices
+    fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        precision="bf16-mixed",  # new: mixed precision
-        strategy=L.fabric.strategies.ModelParallelStrategy(fsdp_each_encoder_block, data_parallel_size=args.world_size, tensor_parallel_size=1),  # instead of "ddp": FSDP2
+        precision="bf16-mixed",  # [04] new: mixed precision
+        strategy=L.fabric.strategies.ModelParallelStrategy(fsdp_each_encoder_block, data_parallel_size=args.world_size, tensor_parallel_size=1),  # [06] instead of "ddp": FSDP2
     )
-    fabric.launch()  # new: starts the other processes, if any
-    keeper = RunKeeper(args, fabric)  # instead of RunKeeper(args)
-    device = fabric.device  # instead of torch.device(args.accelerator)
-    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # instead of print: once per machine
+    fabric.launch()  # [03] new: starts the other processes, if any
+    keeper = RunKeeper(args, fabric)  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
+    device = fabric.device  # [03] instead of torch.device(args.accelerator)
+    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
     torch.manual_seed(args.seed)
 
     ##########################
     ### 1 Loading the Dataset
     ##########################
-    with fabric.rank_zero_first(local=True):  # new: one process per machine downloads, the others wait
+    with fabric.rank_zero_first(local=True):  # [03] new: one process per machine downloads, the others wait
         train_loader, val_loader, test_loader = get_dataloaders(args)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # new: each batch now arrives on the device, so the loop drops its .to(device)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # [03] new: each batch now arrives on the device, so the loop drops its .to(device)
 
     #########################################
     ### 2 Initializing the Model
     #########################################
-    model = build_vit(weights="IMAGENET1K_V1", args=args)  # instead of weights=None: ImageNet-pretrained
+    model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
 
     # replace output layer
     model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
 
-    model = fabric.setup_module(model)  # instead of model.to(device)
+    model = fabric.setup_module(model)  # [03] instead of model.to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
-    optimizer = fabric.setup_optimizers(optimizer)  # new
+    optimizer = fabric.setup_optimizers(optimizer)  # [03] new
 
     #########################################
     ### 3 Finetuning
     #########################################
     keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
-    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # instead of (..., keeper)
+    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
 
     #########################################
     ### 4 Evaluation

@@ -16,17 +16,17 @@ import glob
 import os
 import re
 
-from run_keeping.errors import fail  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
 from run_keeping.files import record_of
-from run_keeping.commands import Parser, check_path, whole_number
-from run_keeping.flags import MOST_WORKERS
+from run_keeping.config import Parser, check_path, whole_number
+from run_keeping.config import MOST_WORKERS
 import lightning as L
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from local_utilities import as_smoke_digit, build_vit, evaluate, get_dataloaders, talk_transforms
-from run_keeping.model_file import load_model_file
+from local_utilities import SMOKE_IMAGE_SIZE, build_vit, evaluate, get_dataloaders, talk_transforms
+from run_keeping.checkpoints import load_model_file
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the runs record
@@ -94,6 +94,37 @@ def newest_model(args):
         fail(f"no {'--smoke ' if args.smoke else ''}model of a whole run in models/ (training runs save "
              f"one when they finish): give --model PATH.{also}{passed}")
     return max(models, key=os.path.getmtime)
+
+
+def as_smoke_digit(image):
+    """A picture of one digit (a PIL image) as the smoke data look, for 08 --predict: grey, light
+    ink on a dark ground (a light ground is inverted). A digit that already fills its frame from
+    edge to edge, as the handwritten set's do, is only resized to 32x32; any other is cropped to
+    its ink, padded to a square and reduced to scikit-learn's 8x8 grid of 17 levels first.
+    Returns (3 x 32 x 32 tensor, whether it was inverted)."""
+    interpolate = torch.nn.functional.interpolate
+    gray = torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32) / 255)
+    border = torch.cat([gray[0], gray[-1], gray[:, 0], gray[:, -1]])
+    inverted = bool(border.median() > 0.5)
+    if inverted:
+        gray, border = 1 - gray, 1 - border
+    ink = (gray - border.median()).clamp(min=0)
+    ink = ink / ink.max().clamp(min=1e-6)
+    rows, cols = torch.nonzero(ink > 0.25, as_tuple=True)
+    (height, width), span = ink.shape, lambda i, n: len(i) and i.min() <= 0.05 * n and i.max() >= 0.95 * n - 1
+    if span(rows, height) or span(cols, width):
+        square = interpolate(ink[None, None], size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear",
+                             align_corners=False, antialias=True)
+        return square.clamp(0, 1)[0].repeat(3, 1, 1), inverted
+    if len(rows):
+        ink = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    side = max(ink.shape)
+    square = torch.zeros(side, side)
+    top, left = (side - ink.shape[0]) // 2, (side - ink.shape[1]) // 2
+    square[top:top + ink.shape[0], left:left + ink.shape[1]] = ink
+    grid = (interpolate(square[None, None], size=(8, 8), mode="area") * 16).round() / 16
+    image = interpolate(grid, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
+    return image.clamp(0, 1)[0].repeat(3, 1, 1), inverted
 
 
 def prepare(picture, smoke):

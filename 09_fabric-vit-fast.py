@@ -12,7 +12,7 @@ Measured: --smoke only, on the CPU (docs/fast-recipe.md); no GPU figure yet.
 import math
 import time
 
-from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L
 import torch
 import torch.nn.functional as F

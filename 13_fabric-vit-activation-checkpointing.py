@@ -11,19 +11,19 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
-from run_keeping import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
-import lightning as L  # new
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+import lightning as L  # [03] new
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing  # new: torch's wrapper, as Lightning's FSDP uses
-from torchvision.models.vision_transformer import EncoderBlock  # new
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing  # [13] new: torch's wrapper, as Lightning's FSDP uses
+from torchvision.models.vision_transformer import EncoderBlock  # [13] new
 from watermark import watermark
 
 from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
 
 
-def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # instead of (..., keeper)
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # [03] instead of (..., keeper): the loop calls fabric
     start = time.time()
     for epoch in range(keeper.start_epoch, num_epochs):
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
@@ -36,16 +36,16 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
             logits = model(features)
             loss = F.cross_entropy(logits, targets)
 
-            if batch_idx % 4 == 0: optimizer.zero_grad()  # instead of every batch: each batch of 16 starts from zero
-            with fabric.no_backward_sync(model, enabled=batch_idx % 4 != 3): fabric.backward(loss / 4)  # instead of fabric.backward(loss): a quarter of the mean, added up
+            if batch_idx % 4 == 0: optimizer.zero_grad()  # [12] instead of every batch: each batch of 16 starts from zero
+            with fabric.no_backward_sync(model, enabled=batch_idx % 4 != 3): fabric.backward(loss / 4)  # [12] instead of fabric.backward(loss): a quarter of the mean, added up
 
             ### UPDATE MODEL PARAMETERS
-            if batch_idx % 4 == 3: optimizer.step()  # instead of every batch: after the 4th micro-batch (the sequel stepped after the 1st)
+            if batch_idx % 4 == 3: optimizer.step()  # [12] instead of every batch: after the 4th micro-batch (the sequel stepped after the 1st)
             keeper.step(loss, len(targets))  # loss guard and timing, for the run record
 
             ### LOGGING
             if not batch_idx % 300:
-                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # instead of print: once per machine
+                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # [03] instead of print: once per machine
 
             model.eval()
             with torch.no_grad():
@@ -54,49 +54,49 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
-        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # instead of print
+        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
         keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3, micro_batches=4)  # instead of parse_args(epochs=3): the loader hands out each batch of 16 in 4 micro-batches
-    fabric = L.Fabric(  # new: Fabric runs the device, precision and processes
+    args = parse_args(epochs=3, micro_batches=4)  # [12] instead of parse_args(epochs=3): the loader hands out each batch of 16 in 4 micro-batches
+    fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        precision="bf16-true",  # instead of "bf16-mixed": weights, gradients and Adam's state in bfloat16 too
+        precision="bf16-true",  # [11] instead of "bf16-mixed": weights, gradients and Adam's state in bfloat16 too
     )
-    fabric.launch()  # new: starts the other processes, if any
-    keeper = RunKeeper(args, fabric)  # instead of RunKeeper(args)
-    device = fabric.device  # instead of torch.device(args.accelerator)
-    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # instead of print: once per machine
+    fabric.launch()  # [03] new: starts the other processes, if any
+    keeper = RunKeeper(args, fabric)  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
+    device = fabric.device  # [03] instead of torch.device(args.accelerator)
+    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
     torch.manual_seed(args.seed)
 
     ##########################
     ### 1 Loading the Dataset
     ##########################
-    with fabric.rank_zero_first(local=True):  # new: one process per machine downloads, the others wait
+    with fabric.rank_zero_first(local=True):  # [03] new: one process per machine downloads, the others wait
         train_loader, val_loader, test_loader = get_dataloaders(args)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # new: each batch now arrives on the device, so the loop drops its .to(device)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # [03] new: each batch now arrives on the device, so the loop drops its .to(device)
 
     #########################################
     ### 2 Initializing the Model
     #########################################
-    with fabric.init_module():  # new: the model is created in bfloat16, on the device (no float32 copy first)
-        model = build_vit(weights="IMAGENET1K_V1", args=args)  # instead of weights=None: ImageNet-pretrained
+    with fabric.init_module():  # [11] new: the model is created in bfloat16, on the device (no float32 copy first)
+        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [11] instead of weights=None: ImageNet-pretrained
 
     # replace output layer
     model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
-    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, EncoderBlock))  # new: each block keeps only its input; backward recomputes the rest
+    apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, EncoderBlock))  # [13] new: each block keeps only its input; backward recomputes the rest
 
-    model = fabric.setup_module(model)  # instead of model.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-4 if args.smoke else 5e-5)  # instead of lr=5e-5: bfloat16 rounds away steps under 1/256 of a weight, and --smoke's weights are larger
-    optimizer = fabric.setup_optimizers(optimizer)  # new
+    model = fabric.setup_module(model)  # [03] instead of model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-4 if args.smoke else 5e-5)  # [11] instead of lr=5e-5: bfloat16 rounds away steps under 1/256 of a weight, and --smoke's weights are larger
+    optimizer = fabric.setup_optimizers(optimizer)  # [03] new
 
     #########################################
     ### 3 Finetuning
     #########################################
     keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
-    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # instead of (..., keeper)
+    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
 
     #########################################
     ### 4 Evaluation

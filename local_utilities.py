@@ -10,9 +10,9 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from run_keeping import flags as command_line
-from run_keeping.commands import whole_number
-from run_keeping.errors import fail
+from run_keeping import config as command_line
+from run_keeping import fail
+from run_keeping.processes import native_bf16
 
 NUM_CLASSES = 10
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -26,7 +26,7 @@ SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 # -- Flags ----------------------------------------------------------------------------------------
 def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True,
                micro_batches=1):
-    """The shared command line (run_keeping/flags.py), checked against these data's sizes."""
+    """The shared command line (run_keeping/config.py), checked against these data's sizes."""
     return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader,
                                    {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}, micro_batches)
 
@@ -53,8 +53,9 @@ def get_dataloaders(args):
     """(train, val, test) loaders: CIFAR-10 as in the talk, the --smoke digits or --synthetic
     data; training shuffles and drops its last partial batch; --max-steps N keeps N batches; each
     batch comes in args.micro_batches parts (12-14's gradient accumulation)."""
-    if args.synthetic:
-        train, val, test = synthetic_datasets(args)
+    if args.synthetic:  # on a GPU, made there
+        on_gpu = args.accelerator == "cuda"
+        train, val, test = synthetic_datasets(args, torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
     elif args.smoke:
         train, val, test = digits_datasets()
     else:
@@ -110,45 +111,34 @@ def digits_datasets():
     return tuple(TensorDataset(images[s], labels[s]) for s in parts)
 
 
-def as_smoke_digit(image):
-    """A picture of one digit (a PIL image) as the smoke data look, for 08 --predict: grey, light
-    ink on a dark ground (a light ground is inverted). A digit that already fills its frame from
-    edge to edge, as the handwritten set's do, is only resized to 32x32; any other is cropped to
-    its ink, padded to a square and reduced to scikit-learn's 8x8 grid of 17 levels first.
-    Returns (3 x 32 x 32 tensor, whether it was inverted)."""
-    interpolate = torch.nn.functional.interpolate
-    gray = torch.from_numpy(np.asarray(image.convert("L"), dtype=np.float32) / 255)
-    border = torch.cat([gray[0], gray[-1], gray[:, 0], gray[:, -1]])
-    inverted = bool(border.median() > 0.5)
-    if inverted:
-        gray, border = 1 - gray, 1 - border
-    ink = (gray - border.median()).clamp(min=0)
-    ink = ink / ink.max().clamp(min=1e-6)
-    rows, cols = torch.nonzero(ink > 0.25, as_tuple=True)
-    (height, width), span = ink.shape, lambda i, n: len(i) and i.min() <= 0.05 * n and i.max() >= 0.95 * n - 1
-    if span(rows, height) or span(cols, width):
-        square = interpolate(ink[None, None], size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear",
-                             align_corners=False, antialias=True)
-        return square.clamp(0, 1)[0].repeat(3, 1, 1), inverted
-    if len(rows):
-        ink = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
-    side = max(ink.shape)
-    square = torch.zeros(side, side)
-    top, left = (side - ink.shape[0]) // 2, (side - ink.shape[1]) // 2
-    square[top:top + ink.shape[0], left:left + ink.shape[1]] = ink
-    grid = (interpolate(square[None, None], size=(8, 8), mode="area") * 16).round() / 16
-    image = interpolate(grid, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
-    return image.clamp(0, 1)[0].repeat(3, 1, 1), inverted
-
-
-def synthetic_datasets(args):
+def synthetic_datasets(args, device=None):
     """Random images and labels of the run's shape: --max-steps batches per process to train on,
-    one image per process to evaluate (a synthetic run measures training, not accuracy)."""
+    one image per process to evaluate (a synthetic run measures training, not accuracy). With a
+    `device` (a GPU), one step's images are made there and cycled through, so that no batch is
+    collated from the CPU's memory and copied over: images/s is the model's, not the loader's."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.data_parallel
-    make = lambda n: TensorDataset(torch.rand(n, 3, size, size, generator=g),  # noqa: E731
-                                   torch.randint(0, NUM_CLASSES, (n,), generator=g))
-    return make(args.max_steps * per_step), make(args.data_parallel), make(args.data_parallel)
+
+    def make(n, held):
+        images = torch.rand(held, 3, size, size, generator=g)
+        labels = torch.randint(0, NUM_CLASSES, (held,), generator=g)
+        return TensorDataset(images, labels) if device is None else Cycled(images.to(device), labels.to(device), n)
+    train = args.max_steps * per_step
+    return (make(train, train if device is None else per_step), make(args.data_parallel, args.data_parallel),
+            make(args.data_parallel, args.data_parallel))
+
+
+class Cycled(torch.utils.data.Dataset):
+    """`length` items from the images and labels held, cycled through (a synthetic run's on a GPU)."""
+
+    def __init__(self, images, labels, length):
+        self.images, self.labels, self.length = images, labels, length
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        return self.images[index % len(self.images)], self.labels[index % len(self.images)]
 
 
 # -- Model ----------------------------------------------------------------------------------------
@@ -167,21 +157,27 @@ def smoke_vit():
 def build_vit(weights, args):
     """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1" (downloaded
     into torch's hub cache). --smoke: the small ViT, pretrained where the full run loads IMAGENET1K_V1 (on printed digits,
-    by make_smoke_weights.py: the demo's ImageNet); --synthetic: random init. Notes in
-    args.init what the model starts from (for the run's output and record)."""
+    by make_smoke_weights.py: the demo's ImageNet); --synthetic: random init. The model notes in
+    model.init what it starts from (for the run's output and record)."""
     import torchvision.models as vits
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
     weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
-    args.init = "random init"
     if args.smoke:
-        model = smoke_vit()
+        model, init = smoke_vit(), "random init"
         if weights is not None:
             model.load_state_dict(torch.load(SMOKE_WEIGHTS, map_location="cpu", weights_only=True))
-            args.init = f"pretrained on printed digits, {SMOKE_WEIGHTS.parent.name}/{SMOKE_WEIGHTS.name}"
-        return model
-    if weights is None:
-        return vits.get_model(vit, weights=None)
-    args.init = f"ImageNet-pretrained, {weights}"
+            init = f"pretrained on printed digits, {SMOKE_WEIGHTS.parent.name}/{SMOKE_WEIGHTS.name}"
+    elif weights is None:
+        model, init = vits.get_model(vit, weights=None), "random init"
+    else:
+        model, init = pretrained(vit, weights), f"ImageNet-pretrained, {weights}"
+    model.init = init
+    return model
+
+
+def pretrained(vit, weights):
+    """torchvision's model with its ImageNet weights, from torch's hub cache or downloaded."""
+    import torchvision.models as vits
     try:
         return vits.get_model(vit, weights=weights)
     except (OSError, RuntimeError) as err:
@@ -195,13 +191,13 @@ def fsdp_each_encoder_block(model, device_mesh, offload=False):
     every process, then the root (embeddings, head). Parameters are gathered in bfloat16, as the
     talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
     reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
-    the float32 sums DDP (05) makes too. float32 throughout on a GPU without native bfloat16
-    (run_keeping/devices.py says so). offload: see the next function."""
+    the float32 sums DDP (05) makes too. float32 throughout on a device without native bfloat16
+    (run_keeping/processes.py says so). offload: see the next function."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
     cuda = device_mesh.device_type == "cuda"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if not cuda or torch.cuda.is_bf16_supported(
-        including_emulation=False) else None, reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if native_bf16(device_mesh.device_type) else None,
+                                  reduce_dtype=torch.float32)
     place = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()  # OffloadPolicy(): none
     for module in [*(m for m in model.modules() if isinstance(m, EncoderBlock)), model]:
         fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy, offload_policy=place)
@@ -230,11 +226,6 @@ def tensor_parallel_mlps_then_fsdp(model, device_mesh):
                                {"0": ColwiseParallel(), "3": RowwiseParallel()})
     return fsdp_each_encoder_block(model, device_mesh)
 
-
-# the flag of the technique, had by the script that imports it (run_keeping/flags.py)
-tensor_parallel_mlps_then_fsdp.flags = [("--tensor-parallel", dict(
-    type=whole_number(1), default=2, metavar="N", help="processes that split each MLP "
-    "between them (default 2); the rest of --devices x --num-nodes is data parallel"))]
 
 
 # -- Evaluation -----------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import run_keeping  # noqa: F401  first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.commands import Parser, check_path, whole_number
-from run_keeping.record import device_name
+from run_keeping.config import Parser, check_path, whole_number
+from run_keeping.processes import device_name
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -121,6 +121,26 @@ def same_tensors(a, b):
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def pretrain(model, images, labels, steps, seed):
+    """AdamW at 1e-3 (weight decay 0.05), 5% warm-up then a cosine, batches of 128 drawn at random."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) *
+                                                 0.5 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        model.train()
+        index = torch.randint(0, len(labels), (128,), generator=generator)
+        loss = F.cross_entropy(model(images[index]), labels[index])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 500 == 0 or step == steps - 1:
+            print(f"step {step:5d}/{steps} | loss {loss.item():.4f}", flush=True)
+    return model
+
+
 def main(argv=None):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=whole_number(10), default=20000, metavar="N",
@@ -144,22 +164,7 @@ def main(argv=None):
     print(f"rendered {len(labels):,} + {len(test_labels):,} printed digits from {len(fonts)} "
           f"fonts in {time.time() - began:.0f} s", flush=True)
 
-    model = smoke_vit()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1, (s + 1) / warmup) *
-                                                 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-    generator = torch.Generator().manual_seed(args.seed)
-    for step in range(args.steps):
-        model.train()
-        index = torch.randint(0, len(labels), (128,), generator=generator)
-        loss = F.cross_entropy(model(images[index]), labels[index])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 500 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}/{args.steps} | loss {loss.item():.4f}", flush=True)
+    model = pretrain(smoke_vit(), images, labels, args.steps, args.seed)
     pretext_accuracy = accuracy(model, test_images, test_labels)
     print(f"pretext test accuracy (2,000 unseen printed digits): {pretext_accuracy * 100:.2f}%")
 

@@ -11,7 +11,6 @@ error bar their range (min to max); the table gives n and the accuracy's range. 
 images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
 throughput, 01's training time divided by the script's (the same images in each run).
 """
-import csv
 import os
 import re
 import shlex
@@ -20,12 +19,11 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from run_keeping.errors import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.commands import Parser, check_path
+from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
+from run_keeping.config import Parser, check_path, lessons
 from run_keeping.files import read_records
 
 ROOT = Path(__file__).resolve().parent
-REFERENCE = ROOT / "talk_reference.csv"
 BASELINE = "01_pytorch-vit.py"
 NEEDED = ("script", "train_time_s", "peak_memory_gb")
 # (title, record key, the talk's column, how ours converts, value format)
@@ -39,20 +37,6 @@ CHARTS = [
 
 def warn(message):
     print(f"plot_results.py: {message}", file=sys.stderr)
-
-
-def fmt(value, pattern):
-    """A figure in `pattern`, or "-" where there is none."""
-    return "-" if value is None else pattern.format(value)
-
-
-def load_reference(path=REFERENCE):
-    """The talk's table: {script: {technique, epochs, devices, time_min, memory_gb, ...}}; None
-    where the talk has no figure (10 is not in the talk)."""
-    with open(path) as f:
-        rows = csv.DictReader(line for line in f if not line.startswith("#"))
-        return {row["script"]: {k: (v if k in ("script", "technique", "change") else
-                                    float(v) if v else None) for k, v in row.items()} for row in rows}
 
 
 def chart_command(kind, results):
@@ -212,9 +196,12 @@ def baseline_of(key, latest):
 
 
 def differences(record, reference):
-    """What a run did otherwise than the talk's run of its script: batch, processes, model."""
+    """What a run did otherwise than the talk's run of its script: batch, processes, model, and
+    the precision that ran where the device could not run the one asked for."""
     talk = reference.get(record["script"], {})
     found = []
+    if record.get("precision_asked") and record.get("precision") != record["precision_asked"]:
+        found.append(f"ran {record['precision']}")
     if record.get("batch_size") and record["batch_size"] != 16:
         found.append(f"batch {record['batch_size']}")
     if record.get("world_size") and talk.get("devices") and record["world_size"] != talk["devices"]:
@@ -321,6 +308,18 @@ def figure(latest, reference, kind):
             ax.text(0.99, 0.97, "talk: not published", transform=ax.transAxes, ha="right",
                     va="top", fontsize=8, color="#555555")
         ax.margins(y=0.2)
+    title = headline_of(latest, kind, fig)
+    fig.suptitle(title, fontsize=9)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
+    lines = title.count("\n") + 1
+    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.0085 * lines))  # room for the headline, no more
+    return fig
+
+
+def headline_of(latest, kind, fig):
+    """The chart's title: what ran where, that a smoke or synthetic run is not the talk's, and
+    what the hatched bars are; wrapped to the figure's width."""
     headline = f"Ours: {kind} runs on {hardware(latest)}"
     if kind != "full":
         headline += f"\n{kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
@@ -330,13 +329,7 @@ def figure(latest, reference, kind):
     headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
     # wrapped to the figure's width: at most 7.5 pixels a character at 9 points and 100 dpi
     chars = int(fig.get_figwidth() * fig.dpi / 7.5)
-    headline = "\n".join(textwrap.fill(line, chars) for line in headline.split("\n"))
-    fig.suptitle(headline, fontsize=9)
-    handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=2, fontsize=9)
-    lines = headline.count("\n") + 1
-    fig.tight_layout(rect=(0, 0.025, 1, 1 - 0.0085 * lines))  # room for the headline, no more
-    return fig
+    return "\n".join(textwrap.fill(line, chars) for line in headline.split("\n"))
 
 
 def save(fig, output):
@@ -382,7 +375,7 @@ def parse_args(argv=None):
 
 def table_and_chart(args):
     """(the table as text, the chart) of the runs the flags ask for."""
-    reference = load_reference()
+    reference = lessons()
     records = []
     if Path(args.results).exists() or not args.log:
         records += usable_records(args.results, reference)

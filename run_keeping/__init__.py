@@ -1,33 +1,175 @@
 """Run-keeping for the numbered scripts, kept out of the lesson, one concern a module:
 
-    flags.py        the command line every script shares, checked before any work; the commands
-                    the suite prints, which run as printed
-    launch.py       how the processes were started (SLURM, torchrun, Lightning), checked and said
-    keeper.py       RunKeeper, what a script calls (below)
-    timing.py       per-step loss sum, loss guard and throughput timing, without GPU waits
-    checkpoints.py  checkpoints (per epoch, and mid-epoch when stopped), --resume, the folder's lock
-    together.py     what the processes of a run decide together: a failure, a stop, a timeout
-    signals.py      Ctrl-C, SIGTERM and the errors a user can act on, in one line
-    record.py       the run record
-    model_file.py   the finetuned model as a plain state dict, and loading it back
-    devices.py      CPU threads per process; bf16-mixed on a GPU without bfloat16; FSDP2's units
-    files.py        whole-or-absent writes and JSONL records
-    errors.py       fail(): one line and an exit code (documented there)
+    __init__.py     this file: one line and a documented exit code instead of a traceback, for
+                    every program of the suite; Ctrl-C while the libraries load
+    files.py        whole-or-absent writes, JSONL records, a run's hold on its folder, reports
+    config.py       the command line, parsed once into a Config; the commands the suite prints;
+                    talk_reference.csv
+    processes.py    the run's processes and devices: who started them, what they decide
+                    together, CPU threads, bfloat16 where the device has none, memory
+    checkpoints.py  checkpoints and --resume, random states, the finetuned model file
+    keeper.py       RunKeeper, what a script calls: its timing, signals and record
 
-A script imports it first (a Ctrl-C while the libraries load is one line too), makes one
-RunKeeper and calls it four times:
+A script imports run_keeping.keeper first (this file installs its signal handlers before the
+libraries load: a Ctrl-C meanwhile is one line too), makes one RunKeeper and calls it four times:
 
     keeper = RunKeeper(args, fabric)            # checks, signal handlers (fabric: None in 00-02)
     keeper.resume(model, optimizer, train_loader)   # says what runs; with --resume: restores
-    keeper.step(loss, len(targets))             # after each optimizer step
+    keeper.step(loss, len(targets))             # after each batch (each micro-batch in 12-14)
     keeper.checkpoint(epoch, model, optimizer, val_acc)           # after each epoch
     keeper.finish(train_time_s, test_acc, model)                  # closing lines, model, record
+
+Exit codes: 0 done; 1 a failed write (a full disk, a read-only file system, no permission) or a
+NaN/inf loss; 2 bad input or machine (a flag, missing data or weights, an unusable file, a
+library too old, a launch that does not match the flags); 3 a process of the run was lost (a
+machine died or was killed: continue with --resume); 4 gpu_check.sh: a module the scripts import
+is missing; 6 gpu_check.sh and benchmark.py: measured, but some configurations failed (their rows
+say why); 130 Ctrl-C; 143 SIGTERM.
 """
-from run_keeping import errors  # noqa: F401  (its signal handlers, before the libraries load)
+import atexit
+import gc
+import os
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTED = time.monotonic()  # a script imports this first: about when it started
+
+# At exit the interpreter's last garbage collection walks every object torch, torchvision and
+# Lightning made, to free memory the OS takes back anyway: 1.5 s at the end of each run on a
+# 2-core CPU. Frozen, those objects are skipped. Python never promised finalisers at exit, and
+# nothing here needs one: files are written whole and closed, and child processes are stopped
+# by their own exit handlers, which still run.
+atexit.register(gc.freeze)
 
 
-def __getattr__(name):  # RunKeeper imports torch; errors and files, used by plot_results.py, do not
-    if name == "RunKeeper":
-        from run_keeping.keeper import RunKeeper
-        return RunKeeper
-    raise AttributeError(f"module 'run_keeping' has no attribute {name!r}")
+_ending = [None]  # the code of the last Stopped: what the program ends with if none catches it
+
+
+class Stopped(SystemExit):
+    """What fail() raises once its line is printed: SystemExit(code). Uncaught, the program ends
+    with that code; a multi-process run catches it to stop every process together
+    (run_keeping/together.py)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        _ending[0] = code
+
+
+def program():
+    return Path(sys.argv[0]).name
+
+
+def fail(message, code=2, say=True):
+    """`<program>: error: <message>` on one line of stderr, then Stopped(code); never a
+    traceback. The message is said whole: a reason is shortened only at a sentence's end.
+    say=False: the line is left to another process of the run, which says the same."""
+    message = " ".join(str(message).split())
+    if say:
+        print(f"{program()}: error: {message}", file=sys.stderr, flush=True)
+    raise Stopped(code)
+
+
+def multi_process_gloo():
+    """Whether this is one process of several talking over gloo (CPUs)."""
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1 and dist.get_backend() != "nccl")
+
+
+_cleanups = []  # what a run lets go of on its way out (its checkpoint folder's lock)
+
+
+def on_exit(cleanup):
+    """Call `cleanup` when the program ends: by leave(), an uncaught Stopped or a traceback."""
+    _cleanups.append(cleanup)
+
+
+@atexit.register
+def clean_up():
+    while _cleanups:
+        try:
+            _cleanups.pop()()
+        except Exception:  # noqa: BLE001  a cleanup that fails must not hide why the run ended
+            pass
+
+
+def leave(code, at_once=False):
+    """Exit with `code`, once the run has let go of what it held (on_exit). With `at_once`, without
+    the interpreter's shutdown, which may be under way and ignores a SystemExit raised in it. A
+    process of a multi-process run on gloo (CPUs) leaves at once too, without the interpreter's
+    shutdown: after a collective, gloo's worker thread releases its tensors a
+    moment later, and during the shutdown that release aborts the process ("terminate called
+    without an active exception"; pytorch/pytorch#190489), which left a torchrun node waiting
+    at its exit barrier. Lightning tears NCCL groups down itself; anywhere else: SystemExit."""
+    clean_up()
+    if at_once or multi_process_gloo():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
+@atexit.register
+def _leave_a_gloo_run_quickly():
+    """A multi-process gloo run ending by an uncaught Stopped or traceback: leave as leave()
+    does, with the code the program is ending with."""
+    if multi_process_gloo():
+        clean_up()
+        code = _ending[0] if _ending[0] is not None else 1 if getattr(sys, "last_value", None) else 0
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def first_sentence(text, limit=300):
+    """The first line of `text`, whole; past `limit` characters cut at the last sentence's end
+    (or word) before it, so a reason never stops mid-word."""
+    line = (str(text).strip().splitlines() or [""])[0].strip()
+    if len(line) <= limit:
+        return line
+    cut = max(line.rfind(". ", 0, limit), line.rfind("; ", 0, limit))
+    return line[:cut + 1] if cut > limit // 3 else line[:line.rfind(" ", 0, limit)] + " ..."
+
+
+def why_unloadable(err):
+    """What torch.load found wrong with a file, in whole words: never torch's advice to load it
+    with weights_only=False (unsafe for a file of unknown origin)."""
+    text = str(err)
+    if "Weights only load failed" in text:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+        if found:
+            return f"it holds a {found.group(1)} object, not only tensors"
+        return "it is not a file that torch.save wrote"
+    if "failed finding central directory" in text or "PytorchStreamReader" in text:
+        return "it is cut short or damaged (not a whole file that torch.save wrote)"
+    return f"{type(err).__name__}: {first_sentence(text)}"
+
+
+# -- Ctrl-C and SIGTERM before a run has started -------------------------------------------------
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+def stop_at_once(signum, frame=None):
+    """One line and 130 (Ctrl-C) or 143 (SIGTERM): nothing of a run exists yet to keep."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"\n{program()}: interrupted ({signal.Signals(signum).name}) while starting; nothing "
+          "was written.", file=sys.stderr, flush=True)
+    os._exit(EXIT_CODES[signum])
+
+
+def ours():
+    """Whether the running program is one of the suite's (not pytest or another importer)."""
+    try:
+        return sys.argv[0].endswith(".py") and Path(sys.argv[0]).resolve().parent in (ROOT, ROOT / "tools")
+    except (OSError, IndexError):
+        return False
+
+
+if ours():
+    for _signal in EXIT_CODES:
+        signal.signal(_signal, stop_at_once)

@@ -1,58 +1,31 @@
-"""Checkpoints and --resume. A checkpoint keeps the model, optimizer, scheduler, random states,
+"""Checkpoints and --resume; the finetuned model file. A checkpoint keeps the model, optimizer, scheduler, random states,
 the figures so far and the settings that shape its run; one is written after each epoch, and one
 mid-epoch when the run is asked to stop (SIGTERM, Ctrl-C): with the batches done, the epoch's
 loss so far and the random state its data order came from, so a continued run goes on from that
 batch. --resume restores them after checking that the checkpoint is this run's. While a run
-runs, it holds its folder (a lock that dies with its process): a second run there is refused."""
-import fcntl
+runs, it holds its folder (a lock that dies with its process): a second run there is refused.
+The model file is a plain state dict of torchvision's VisionTransformer (whole when FSDP2 sharded
+it, without torch.compile's prefixes), loaded back with clear errors."""
 import io
 import json
+import logging
 import os
 import random
-import shlex
-import socket
-import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from run_keeping.errors import fail, why_unloadable
-from run_keeping.files import remove, remove_empty_folders, write_atomically, write_error
-from run_keeping.commands import invoked
-from run_keeping.model_file import load_state_dict, plain_state_dict
+from run_keeping import fail, why_unloadable
+from run_keeping.config import invoked, kind_flags, resume_command, start_over_command, started_flags
+from run_keeping.files import FolderLock, remove, remove_empty_folders, write_atomically, write_error
+from run_keeping.processes import lost_peer, together
 
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
-LOCK = ".lock"          # held by the run in progress there
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
 SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_parallel",
             "precision", "lr")
-
-
-def started_flags():
-    """The flags this run was started with, less --resume."""
-    return [a for a in sys.argv[1:] if a != "--resume"]
-
-
-def resume_command(flags=None):
-    """The command that continues this run: the flags it was started with (or `flags`), plus
-    --resume; under torchrun or srun, the same launch."""
-    command = invoked(*(started_flags() if flags is None else flags), "--resume")
-    if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
-        return f"the same torchrun/srun launch with --resume added ({command})"
-    return command
-
-
-def start_over_command(folder):
-    """The commands that drop the unfinished run in `folder` and start this one afresh."""
-    return f"rm -rf {shlex.quote(str(folder))} && {invoked(*started_flags())}"
-
-
-def kind_flags(kind):
-    """The flags of a kind of run: "smoke-synthetic" -> " --smoke --synthetic"."""
-    return "".join(f" --{k}" for k in kind.split("-") if k)
 
 
 def resume_hint(folder):
@@ -92,36 +65,14 @@ def restarted(latest):
     return None
 
 
-class FolderLock:
-    """A run's hold on its checkpoint folder: an advisory lock on a file in it, which the system
-    lets go of when the process ends, however it ends (a killed run never blocks the next)."""
-
-    def __init__(self, folder):
-        folder.mkdir(parents=True, exist_ok=True)
-        self.path, self.handle = folder / LOCK, open(folder / LOCK, "a+")
-        try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.handle.seek(0)
-            holder = self.handle.read().strip() or "another process"
-            self.handle.close()
-            fail(f"a run is in progress in {folder} ({holder}): wait for it to finish, or give "
-                 "this one another --checkpoint-dir to run beside it.")
-        self.handle.seek(0)
-        self.handle.truncate()
-        self.handle.write(f"process {os.getpid()} on {socket.gethostname()}, since "
-                          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
-        self.handle.flush()
-
-    def release(self):
-        remove(self.path)
-        self.handle.close()
-
-
 class Checkpoints:
-    def __init__(self, args, fabric, rank):
-        self.args, self.fabric, self.rank = args, fabric, rank
-        self.folder = Path(args.checkpoint_dir)
+    """A run's checkpoint folder: held while the run runs, a checkpoint written after each epoch
+    (and where a stopped run was), the newest loaded by --resume."""
+
+    def __init__(self, config, fabric, rank):
+        self.config, self.fabric, self.rank = config, fabric, rank
+        self.world_size = fabric.world_size if fabric else 1
+        self.folder = Path(config.checkpoint_dir)
         self.last = None  # the newest checkpoint written or resumed from
         self.held = None  # the lock file, held by process 0
 
@@ -140,7 +91,7 @@ class Checkpoints:
         if self.held:
             self.held.release()
             self.held = None
-            default = self.args.checkpoint_dir_is_default
+            default = self.config.checkpoint_dir_is_default
             remove_empty_folders(self.folder, up_to=self.folder.parent.parent if default else self.folder.parent)
 
     def decide(self):
@@ -150,12 +101,12 @@ class Checkpoints:
         latest = self.read_latest()
         exists = (self.folder / LATEST).exists()
         again = restarted(latest) if latest else None
-        if exists and not self.args.resume and not again:
+        if exists and not self.config.resume and not again:
             flags = (latest or {}).get("flags")
             fail(f"{self.folder} holds the checkpoint of an unfinished run: continue it with: "
                  f"{resume_command(flags)}; or start over with: {start_over_command(self.folder)}")
-        if self.args.resume and not exists:
-            stem = Path(self.args.script).stem
+        if self.config.resume and not exists:
+            stem = Path(self.config.script).stem
             others = sorted(p.parent.name for p in self.folder.parent.glob(f"{stem}*/{LATEST}"))
             hint = "".join(f" {name} holds one: continue it with "
                            f"{resume_hint(self.folder.parent / name)}." for name in others)
@@ -173,9 +124,9 @@ class Checkpoints:
             saved, flags = latest["settings"], latest["flags"]
         except (OSError, ValueError, KeyError, TypeError) as err:
             fail(f"--resume: {latest_file} is unreadable or corrupt ({type(err).__name__}: {err}).")
-        if (script, kind) != (self.args.script, self.args.kind):
+        if (script, kind) != (self.config.script, self.config.kind):
             fail(f"--resume: the checkpoint in {self.folder} is from {script} ({kind or 'full'} "
-                 f"run); this is {self.args.script} ({self.args.kind or 'full'} run). Each script "
+                 f"run); this is {self.config.script} ({self.config.kind or 'full'} run). Each script "
                  "and kind of run continues only its own.")
         differences = [f"{k} {saved.get(k)} (now {settings[k]})" for k in SETTINGS
                        if saved.get(k) != settings[k]]
@@ -199,21 +150,21 @@ class Checkpoints:
         self.last = path
         return state["progress"], state["rng"]
 
-    def save(self, model, optimizer, progress, settings, scheduler, together, lost_peer):
+    def save(self, model, optimizer, progress, settings, scheduler):
         """A checkpoint of the progress so far (after an epoch, or mid-epoch when the run is
         asked to stop), written beside the last one and renamed into place, then named in
         latest.json; older ones removed. A failed write, in any process: one line from each,
         exit 1, the last good checkpoint kept."""
         name = checkpoint_name(progress)
         final, tmp = self.folder / name, self.folder / (name + ".tmp")
-        meta = {"script": self.args.script, "kind": self.args.kind, "settings": settings,
+        meta = {"script": self.config.script, "kind": self.config.kind, "settings": settings,
                 "flags": started_flags(), "launch": launched_by()}
         extra = {"scheduler": scheduler} if scheduler else {}
         kept = (f"the last good checkpoint ({self.last}) is untouched: once there is room, "
                 f"continue with: {resume_command()}" if self.last else "no checkpoint was written "
                 f"yet: once there is room, start again with: {invoked(*started_flags())}")
         began = time.perf_counter()
-        together(lambda: remove(tmp) if self.rank == 0 else None)
+        together(self.fabric, lambda: remove(tmp) if self.rank == 0 else None)
 
         def write():
             try:
@@ -228,11 +179,11 @@ class Checkpoints:
                     torch.save(state, buffer)
                     write_atomically(tmp, buffer.getvalue(), replace=False, then=kept)
             except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
-                if lost_peer(err):
-                    raise  # not the disk: a process of the run is gone (signals.py says so)
+                if lost_peer(self.world_size, err):
+                    raise  # not the disk: a process of the run is gone (the keeper says so)
                 remove(tmp)
                 fail(f"cannot write the checkpoint {tmp}: {write_error(err, tmp)}; {kept}.", code=1)
-        together(write)
+        together(self.fabric, write)
 
         def name_it():
             if self.rank == 0:
@@ -247,7 +198,7 @@ class Checkpoints:
                     if old.name != name:
                         remove(old)
         self.last = final  # before the exchange: a process lost there can name it
-        together(name_it)
+        together(self.fabric, name_it)
         return time.perf_counter() - began
 
     def remove_all(self):
@@ -301,6 +252,21 @@ class SkipFirst:
         yield from indices
 
 
+def continue_data_order(train_loader, progress, rng):
+    """--resume: the loader's order goes on as the stopped run's would have: a distributed
+    sampler's epoch, the random state the current epoch's order came from, and, stopped
+    mid-epoch, that epoch's order again less its first batches."""
+    partial = progress.get("partial") or {}
+    if hasattr(getattr(train_loader, "sampler", None), "set_epoch"):
+        # Fabric's loader sets the distributed sampler's epoch from the number of times it
+        # was iterated: start it once per finished epoch (the random states follow below).
+        for _ in range(progress["epochs_done"]):
+            next(iter(train_loader), None)
+    set_rng_states(partial.get("epoch_rng") or rng)
+    if partial:
+        continue_mid_epoch(train_loader, partial["batches"], rng)
+
+
 def continue_mid_epoch(train_loader, batches, rng):
     """The loader's next pass starts after its first `batches` batches (a torch DataLoader, as
     Fabric set it up, or a loader with a skip_first method, as 09's)."""
@@ -310,3 +276,109 @@ def continue_mid_epoch(train_loader, batches, rng):
         return
     batch_sampler = train_loader.batch_sampler
     batch_sampler.sampler = SkipFirst(batch_sampler, batches * batch_sampler.batch_size, rng)
+
+
+# -- the finetuned model file ------------------------------------------------------------------
+
+def count_local_parameters(model):
+    """Parameters this process holds: a sharded parameter counts only its local shard."""
+    return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+               for p in model.parameters())
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def held_line(held, whole):
+    """How many parameters each process holds, of the model's `whole`."""
+    if len(set(held)) == 1 and held[0] == whole:
+        return f"Parameters held per process: each of the {len(held)} processes holds all {whole:,}"
+    return "Parameters held per process: " + ", ".join(f"{n:,}" for n in held) + f" of {whole:,}"
+
+
+def plain_state_dict(model):
+    """The model's whole state dict on the CPU, with the keys of torchvision's model: FSDP2's
+    shards gathered (every process must call this), torch.compile's "_orig_mod." dropped."""
+    # gathering a 2-D (tensor x data parallel) shard warns that it takes two steps
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    state, cpu_meshes = {}, {}
+    for key, value in model.state_dict().items():
+        if hasattr(value, "full_tensor"):  # a DTensor: a shard of an FSDP2 parameter
+            value = whole(value, cpu_meshes)
+        state[key.replace("_orig_mod.", "")] = value.detach().cpu()
+    return state
+
+
+def whole(dtensor, cpu_meshes):
+    """A DTensor's whole tensor, gathered from every process. A shard in CPU memory (FSDP2's CPU
+    offload, 15) on a mesh whose process group has no backend for the CPU (NCCL takes only GPU
+    tensors: "No backend type associated with device type cpu") is gathered where it lies, over
+    gloo, in a group of the same processes made for it. torch's own full state dict moves such a
+    shard to the GPU instead (torch/distributed/_state_dict_utils.py), holding each whole tensor
+    in GPU memory for a moment; a gather in CPU memory needs none."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    mesh = dtensor.device_mesh
+    if mesh.ndim == 1 and not has_backend(mesh.get_group(), dtensor.device):
+        if id(mesh) not in cpu_meshes:
+            ranks = dist.get_process_group_ranks(mesh.get_group())
+            cpu_meshes[id(mesh)] = DeviceMesh.from_group(dist.new_group(ranks, backend="gloo"), "cpu")
+        dtensor = DTensor.from_local(dtensor.to_local(), cpu_meshes[id(mesh)], dtensor.placements,
+                                     shape=dtensor.shape, stride=dtensor.stride(), run_check=False)
+    return dtensor.full_tensor()
+
+
+def has_backend(group, device):
+    """Whether a process group can run collectives on `device`'s tensors."""
+    try:
+        group._get_backend(device)
+        return True
+    except RuntimeError:
+        return False
+
+
+def load_state_dict(model, state):
+    """model.load_state_dict for a plain state dict, also into a torch.compile'd model (whose own
+    keys carry "_orig_mod.")."""
+    own = {key.replace("_orig_mod.", ""): key for key in model.state_dict()}
+    model.load_state_dict({own.get(key, key): value for key, value in state.items()})
+
+
+def misfit(model, state):
+    """How a state dict differs from the model's, in a few whole words."""
+    own = {key.replace("_orig_mod.", ""): value for key, value in model.state_dict().items()}
+    missing, extra = own.keys() - state.keys(), state.keys() - own.keys()
+    shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
+    parts = [f"{len(missing)} of the model's tensors missing"] if missing else []
+    parts += [f"{len(extra)} tensors the model has no place for"] if extra else []
+    if shapes:
+        key = "conv_proj.weight" if "conv_proj.weight" in shapes else sorted(shapes)[0]
+        show = lambda shape: "x".join(map(str, shape))  # noqa: E731
+        parts.append(f"{len(shapes)} of another shape, {key} {show(state[key].shape)} in the "
+                     f"file against {show(own[key].shape)} here")
+    return ", ".join(parts) or "the tensors do not fit"
+
+
+def load_model_file(model, path):
+    """A finetuned model file (a plain state dict) into `model`, or one line saying what is wrong
+    with the file, exit 2."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        fail(f"no model file {path}: a finished training run writes one (see --save-model).")
+    except Exception as err:
+        fail(f"{path} is not a readable model file: {why_unloadable(err)}.")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        fail(f"{path} is not a model file of this suite (not a state dict of tensors).")
+    try:
+        load_state_dict(model, state)
+    except RuntimeError:
+        width = state.get("conv_proj.weight", torch.empty(0)).shape[:1]
+        kind = ("the small --smoke ViT" if width == (128,) else "ViT-B/16" if width == (768,)
+                else "another model")
+        fail(f"{path} holds {kind}, which does not fit the model built here ({misfit(model, state)})."
+             " Add or drop --smoke to match the run that made it.")
+    if state["heads.head.weight"].shape[0] != 10:
+        fail(f"{path} has {state['heads.head.weight'].shape[0]} outputs, not 10.")

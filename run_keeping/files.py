@@ -1,15 +1,21 @@
 """Files that are whole or absent: written beside their final name and renamed into place,
-records appended in one write; a failed write says which file and why in one line (exit 1)."""
+records appended in one write, a run's hold on its folder; a failed write says which file and why
+in one line (exit 1). Markdown tables and reports for the tools. Imports no torch."""
 import errno
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
-from run_keeping.errors import fail
+from run_keeping import fail
+
+LOCK = ".lock"            # held by the run in progress in a checkpoint folder
+HOLDER = ".lock-holder"   # who holds it: filelock truncates its own file at each try
 
 
 def unwritable(path, folder=False):
@@ -160,3 +166,47 @@ def remove_empty_folders(path, up_to):
     while up_to in path.parents and path.is_dir() and not any(path.iterdir()):
         path.rmdir()
         path = path.parent
+
+
+class FolderLock:
+    """A run's hold on its checkpoint folder: filelock's FileLock (an flock, which the system lets
+    go of when the process ends, however it ends: a killed run never blocks the next), with who
+    holds it written beside it for the run it refuses."""
+
+    def __init__(self, folder):
+        from filelock import FileLock, Timeout
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.paths, self.lock = (folder / LOCK, folder / HOLDER), FileLock(folder / LOCK)
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            try:
+                holder = (folder / HOLDER).read_text().strip()
+            except OSError:
+                holder = ""
+            fail(f"a run is in progress in {folder} ({holder or 'another process'}): wait for it to "
+                 "finish, or give this one another --checkpoint-dir to run beside it.")
+        (folder / HOLDER).write_text(f"process {os.getpid()} on {socket.gethostname()}, since "
+                                     f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+
+    def release(self):
+        for path in reversed(self.paths):  # the holder's name first, then the lock itself
+            remove(path)
+        self.lock.release()
+
+
+def markdown_table(header, rows):
+    """A Markdown table: a header of column names, then one line per row of cells."""
+    return [f"| {' | '.join(header)} |", "|" + "---|" * len(header),
+            *(f"| {' | '.join(str(cell) for cell in row)} |" for row in rows)]
+
+
+def fmt(value, pattern):
+    """A figure in `pattern`, or "-" where there is none."""
+    return "-" if value is None else pattern.format(value)
+
+
+def write_report(path, text):
+    """A report written whole (never half a table): beside its name, then renamed into place."""
+    write_atomically(path, (text.rstrip("\n") + "\n").encode(), then="the report is still printed above")

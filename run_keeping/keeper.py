@@ -1,216 +1,505 @@
-"""RunKeeper: what a numbered script calls to keep its run, out of the lesson's way."""
+"""RunKeeper: what a numbered script calls to keep its run, out of the lesson's way. It owns the
+run's state, each part in a class of its own that only it calls: the figures so far (Figures),
+the step timing (StepMeter) and the signals that stop the run (Stopping); and it makes its record.
+
+Stopping: Ctrl-C and SIGTERM (what SLURM sends first, KillWait seconds before it kills) stop a run
+in training at its next optimizer step (in every process at the same step), after saving a
+checkpoint of where it is; before training, during its last evaluation, or at a second signal, at
+once. The errors a user can act on (torch.compile without its compiler, a GPU out of memory, a
+process of the run lost) replace the traceback."""
+import importlib.metadata
 import io
 import os
+import platform
+import re
 import signal
+import socket
 import sys
 import time
+from datetime import datetime, timezone
 
 import torch
 
-from run_keeping import signals
-from run_keeping.checkpoints import SETTINGS, Checkpoints, continue_mid_epoch, resume_command, rng_states, set_rng_states
-from run_keeping.devices import fall_back_from_bf16, fsdp_units, share_cpu_threads
-from run_keeping.errors import leave, on_exit
+from run_keeping import EXIT_CODES, STARTED, clean_up, fail, first_sentence, leave, on_exit
+from run_keeping.checkpoints import (SETTINGS, Checkpoints, continue_data_order, count_local_parameters,
+                                     count_parameters, held_line, plain_state_dict, rng_states)
+from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, started_flags
 from run_keeping.files import append_record, sha256, write_atomically
-from run_keeping.launch import opening_line
-from run_keeping.model_file import count_local_parameters, count_parameters, held_line, plain_state_dict
-from run_keeping.record import forget_cpu_peak, kind_line, make_record, peak_memory_gb, techniques
-from run_keeping.timing import WARMUP_STEPS, StepMeter
-from run_keeping.together import StopVote, bound_waits, gather, together
+from run_keeping.processes import (StopVote, bound_waits, device_name, fall_back_from_bf16, forget_cpu_peak,
+                                   fsdp_units, gather, launcher, lost_peer, opening_line, peak_memory_gb,
+                                   share_cpu_threads, together)
+
+PRINT_EVERY = 300  # the scripts print the loss every 300 batches; the loss guard reads then
+WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
+             "synthetic": "{vit} from random init on random images and labels",
+             "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
+STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
+              "ModelParallelStrategy": "fsdp2-per-block", "FSDPStrategy": "fsdp"}
+COMPILERS = {  # what torch.compile needs on each device, and where to find it
+    "cpu": "On a CPU it needs a working C++ compiler: install g++ (or point CXX at one)",
+    "cuda": "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build "
+            "Triton's launcher: install gcc (or point CC at one)",
+}
+# How torch.compile says its compiler is missing (inductor's C++ check, Triton's C compiler, a
+# compiler command that is not there); any other compile error is said as itself.
+NO_COMPILER = re.compile(r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|"
+                         r"No such file or directory: '(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|"
+                         r"(?:g\+\+|gcc|cc|clang): (?:command )?not found", re.I)
+
 
 class RunKeeper:
-    def __init__(self, args, fabric=None):
-        self.args, self.fabric = args, fabric
+    def __init__(self, config, fabric=None):
+        self.config, self.fabric = config, fabric
         self.rank = fabric.global_rank if fabric else 0
         self.world_size = fabric.world_size if fabric else 1
-        self.checkpoints = Checkpoints(args, fabric, self.rank)
+        self.checkpoints = Checkpoints(config, fabric, self.rank)
+        self.stopping = Stopping(config, self.rank, self.world_size, self.checkpoints)
         self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
-        self.training = self.finishing = self.finished = False  # finishing: writing model and record
-        self.stop_wanted, self.stop_signal = 0, None
-        signals.install(self)
         on_exit(self.checkpoints.release)
         together(fabric, lambda: self.checkpoints.claim() if self.rank == 0 else None, quiet=True)
         again = together(fabric, self.checkpoints.decide, quiet=True)
-        if again:  # a requeued SLURM job, a torchrun restart: the run continues by itself
-            args.resume = True
+        self.resuming = config.resume or bool(again)  # a requeued SLURM job, a torchrun restart
+        if again:
             self.print(f"{again}: continuing the run in {self.checkpoints.folder}.")
         sys.stdout.write(opening_line(fabric, self.rank, self.world_size) + "\n")  # one write: the
         sys.stdout.flush()  # processes of a machine share the terminal, and lines never mix
-        if fabric and fabric.device.type == "cuda":
-            fall_back_from_bf16(fabric)
-        elif fabric:
-            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", args.devices)))
-        self.meter, self.vote = StepMeter(cuda=args.accelerator == "cuda"), StopVote(fabric)
-        self.start_epoch, self.resumed, self.steps = 0, False, 0
-        self.train_loss, self.val_acc, self.lr = [], [], []
-        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
-        self.peak_gb, self.checkpoint_s = 0.0, []  # the largest peak before a checkpoint write
+        self.precision = fall_back_from_bf16(fabric) if fabric else "32-true"
+        if fabric and fabric.device.type == "cpu":
+            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", config.devices)))
+        self.meter, self.vote, self.figures = StepMeter(config.accelerator == "cuda", config.micro_batches), StopVote(fabric), Figures()
 
     def print(self, *a):
         """print on global rank 0 only: fabric.print prints once per machine."""
         if self.rank == 0:
             print(*a, flush=True)
 
-    def kind_line(self):
-        return kind_line(self.args)
+    @property
+    def start_epoch(self):
+        return self.figures.epochs_done
 
     def resume(self, model, optimizer, train_loader, scheduler=None):
         """Says what the run is; with --resume (or when its launcher started it again) restores
         model, optimizer, scheduler, random states and the figures so far from the newest
         checkpoint, mid-epoch too. Returns the first epoch."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.meter.steps_per_epoch, self._started = len(train_loader), time.time()
-        group = optimizer.param_groups[0]
-        self.settings = {**{k: getattr(self.args, k) for k in SETTINGS[:4]},
-                         "world_size": self.world_size, "tensor_parallel": self.args.tensor_parallel,
-                         "precision": self.precision_asked, "lr": group.get("initial_lr", group["lr"])}
-        if self.args.kind:
-            self.print(self.kind_line())
+        self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
+        self.meter.steps_per_epoch, self.started = len(train_loader), time.time()
+        c, group = self.config, optimizer.param_groups[0]
+        self.settings = {**{k: getattr(c, k) for k in SETTINGS[:4]}, "world_size": self.world_size,
+                         "tensor_parallel": c.tensor_parallel, "precision": self.precision_asked,
+                         "lr": group.get("initial_lr", group["lr"])}  # what a --resume may not change
+        if c.kind:
+            self.print(kind_line(c, self.init))
         self.held_parameters = [int(n) for n in gather(self.fabric, count_local_parameters(model))]
         if self.world_size > 1:
             self.print(held_line(self.held_parameters, count_parameters(model)))
         if self.fabric and self.fabric.device.type == "cuda" and fsdp_units(model)[1]:
-            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", self.args.devices)))  # Adam steps on the CPU
+            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", c.devices)))  # Adam steps on the CPU
         bound_waits(self.fabric)
         self.epoch_rng = rng_states()  # the random state each epoch's data order comes from
-        if self.args.resume:
-            restore(self, train_loader)
-        self.training = True
+        if self.resuming:
+            self._restore(train_loader)
+        self.stopping.phase = "training"
         return self.start_epoch
 
+    def _restore(self, train_loader):
+        """--resume: the newest checkpoint into the run, mid-epoch too (its data order again, less
+        the batches done)."""
+        progress, rng = together(self.fabric, lambda: self.checkpoints.load(
+            self.model, self.optimizer, self.settings, self.scheduler))
+        partial = progress.get("partial") or {}
+        continue_data_order(train_loader, progress, rng)
+        self.epoch_rng = rng_states()
+        if partial:  # stopped mid-epoch: the epoch's figures so far
+            self.meter.restore(partial["meter"])
+        self.figures.restore(progress)
+        within = f" and {partial['batches']} of {len(train_loader)} batches of the next" if partial else ""
+        self.print(f"Resuming {self.config.script} from {self.checkpoints.last}: "
+                   f"{self.start_epoch} of {self.config.epochs} epochs done{within}.")
+
     def step(self, loss, batch_size):
-        """After each optimizer step, without waiting for the GPU (timing.StepMeter); a stop
-        asked for by a signal is carried out after an optimizer step, at the same step in every
-        process (together.StopVote)."""
-        self.steps += 1
-        self.meter.step(loss, batch_size, self.optimizer.param_groups[0]["lr"], len(self.train_loss) + 1)
-        if self.meter.epoch["steps"] % self.args.micro_batches == 0:
-            code = self.vote.step(self.stop_wanted)
-            if code:
-                meter = self.meter.partial()
-                if self.fabric and self.world_size > 1:  # one checkpoint for all: the mean of their
-                    # sums, which gives the epoch's mean loss as theirs do (it is linear in them)
-                    meter["loss"] = float(self.fabric.all_reduce(torch.tensor(meter["loss"]), reduce_op="mean"))
-                self._stop(code, self._save(partial={"batches": self.meter.epoch["steps"], "meter": meter,
-                                                     "epoch_rng": self.epoch_rng}))
+        """After each batch (each micro-batch in 12-14), without waiting for the GPU (StepMeter);
+        a stop asked for by a signal is carried out after an optimizer step, at the same step in
+        every process (processes.StopVote)."""
+        self.figures.steps += 1
+        stepped = self.meter.step(loss, batch_size, self.optimizer.param_groups[0]["lr"], self.figures.epochs_done + 1)
+        code = self.vote.step(self.stopping.wanted) if stepped else 0
+        if code:
+            meter = self.meter.partial()
+            if self.fabric and self.world_size > 1:  # one checkpoint for all: the mean of their
+                # sums, which gives the epoch's mean loss as theirs do (it is linear in them)
+                meter["loss"] = float(self.fabric.all_reduce(torch.tensor(meter["loss"]), reduce_op="mean"))
+            self.stopping.saved(code, self._save(partial={"batches": self.meter.epoch["steps"], "meter": meter,
+                                                          "epoch_rng": self.epoch_rng}))
 
     def checkpoint(self, epoch, model, optimizer, val_acc, scheduler=None):
         """After an epoch's validation: keep its figures and save the checkpoint to resume from."""
         self.scheduler = scheduler or self.scheduler
-        mean_loss, lr = self.meter.end_epoch(len(self.train_loss) + 1)
+        mean_loss, lr = self.meter.end_epoch(self.figures.epochs_done + 1)
         if self.fabric:
             mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
-        self.train_loss.append(float(mean_loss))
-        self.val_acc.append(val_acc)
-        self.lr.append(lr)
-        seconds = self._save()
-        if self.args.accelerator == "cpu":
+        self.figures.end_epoch(float(mean_loss), val_acc, lr)
+        # a synthetic run measures: after its last epoch nothing is left to resume, only its record
+        last_measured = self.config.synthetic and self.figures.epochs_done == self.config.epochs
+        seconds = None if last_measured else self._save()
+        if self.config.accelerator == "cpu" and seconds is not None:
             forget_cpu_peak()
         self.epoch_rng = rng_states()
-        code = self.stop_wanted
+        code = self.stopping.wanted
         if self.fabric and self.world_size > 1:
             code = int(self.fabric.all_reduce(torch.tensor(code, device=self.fabric.device), reduce_op="max"))
         if code:
-            self._stop(code, seconds)
+            self.stopping.saved(code, seconds) if seconds is not None else self.stopping.stop_now(self.stopping.signal)
 
     def _save(self, partial=None):
         """A checkpoint of the progress so far; returns the seconds it took."""
-        progress = {"epochs_done": len(self.train_loss), "batches_done": partial["batches"] if partial else 0,
-                    "steps": self.steps, "train_loss": self.train_loss, "val_acc": self.val_acc,
-                    "lr": self.lr, **self._totals(time.time() - self._started), "partial": partial}
+        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel,
+                                                           self.figures.earlier, time.time() - self.started), partial)
         # memory is training's: a checkpoint write holds a serialised copy of the state for a
         # moment (Fabric's save, a second in memory), which the talk's scripts never wrote
-        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
-        seconds = self.checkpoints.save(self.model, self.optimizer, progress, self.settings, self.scheduler,
-                                        lambda action: together(self.fabric, action),
-                                        lambda err: signals.lost_peer(self, err))
-        self.checkpoint_s.append(round(seconds, 3))
+        self.figures.peak_gb = max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator))
+        seconds = self.checkpoints.save(self.model, self.optimizer, progress, self.settings, self.scheduler)
+        self.figures.checkpoint_s.append(round(seconds, 3))
         return seconds
-
-    def _stop(self, code, seconds):
-        """Stopped by a signal: say where the run is kept and how to continue it, and leave."""
-        name = signal.Signals(self.stop_signal or code - 128).name
-        signals.stopped(self, f"interrupted ({name}); saved {self.checkpoints.last} in "
-                              f"{seconds:.1f} s; continue with: {resume_command()}", code)
-
-    def _totals(self, train_time_s):
-        """Timed training images of all processes (each image once: a tensor-parallel group
-        shares its batch), the slowest process's seconds, and the training time, each including
-        the part before a --resume."""
-        images = torch.tensor(float(self.meter.timed_images))
-        seconds = torch.tensor(self.meter.timed_seconds)
-        if self.fabric and self.world_size > 1:
-            images = self.fabric.all_reduce(images, reduce_op="sum") / self.args.tensor_parallel
-            seconds = self.fabric.all_reduce(seconds, reduce_op="max")
-        return {"timed_images": float(images) + self.earlier["timed_images"],
-                "timed_seconds": float(seconds) + self.earlier["timed_seconds"],
-                "train_time_s": self.earlier["train_time_s"] + train_time_s}
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the finetuned model file, the run record; then the
         checkpoints are removed (nothing left to resume), and a multi-process run ends (leave)."""
-        self.training = False
-        totals = self._totals(train_time_s)
+        self.stopping.phase = "ending"
+        totals = self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier, train_time_s)
         images_per_s = totals["timed_images"] / totals["timed_seconds"] if totals["timed_seconds"] else None
-        memory = gather(self.fabric, max(self.peak_gb, peak_memory_gb(self.args.accelerator)))  # each process's
-        self.techniques = {**techniques(model, self.optimizer, self.fabric), "lr_end": self.optimizer.param_groups[0]["lr"]}
+        memory = gather(self.fabric, max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator)))
         state = plain_state_dict(model)  # every process takes part when the model is sharded
-        self.print(f"Time elapsed {totals['train_time_s'] / 60:.2f} min")
-        self.print(f"Memory used: {max(memory):.02f} GB")
-        self.print(f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
-                   f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
-                   "steps and each epoch's first are not)")
-        self.print("Synthetic data: no accuracy" if self.args.synthetic else
-                   f"Test accuracy {test_acc * 100:.2f}%")
-        self.finishing = True  # a signal now waits until the model and the record are written
-        together(self.fabric, lambda: keep(self, state, totals, images_per_s, memory, test_acc) if self.rank == 0 else None)
-        signals.written(self)  # a signal noted while they were written stops the run now
+        self.print(closing_lines(totals["train_time_s"], max(memory), images_per_s,
+                                 None if self.config.synthetic else test_acc))
+        ran = {"precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
+               "world_size": self.world_size, "parameters_per_process": self.held_parameters,
+               **techniques(model, self.optimizer, self.fabric), "lr_end": self.optimizer.param_groups[0]["lr"]}
+        record = make_record(self.config, self.fabric, ran, self.figures, totals, images_per_s, memory, test_acc)
+        self.stopping.phase = "finishing"  # a signal now waits until the model and the record are written
+        together(self.fabric, lambda: self._keep(state, record) if self.rank == 0 else None)
+        self.stopping.finished()  # a signal noted while they were written stops the run now
         if self.world_size > 1:
             leave(0)  # the run is done: the last line of every script
 
-
-def restore(keeper, train_loader):
-    """--resume: the newest checkpoint into the run, mid-epoch too (its data order again, less
-    the batches done)."""
-    state = {}
-    together(keeper.fabric, lambda: state.update(zip(("progress", "rng"), keeper.checkpoints.load(
-        keeper.model, keeper.optimizer, keeper.settings, keeper.scheduler))))
-    progress, partial = state["progress"], state["progress"].get("partial") or {}
-    if hasattr(getattr(train_loader, "sampler", None), "set_epoch"):
-        # Fabric's loader sets the distributed sampler's epoch from the number of times it
-        # was iterated: start it once per finished epoch (the random states follow below).
-        for _ in range(progress["epochs_done"]):
-            next(iter(train_loader), None)
-    set_rng_states(partial.get("epoch_rng") or state["rng"])
-    keeper.epoch_rng = rng_states()
-    if partial:  # stopped mid-epoch: its data order again, less the batches done
-        continue_mid_epoch(train_loader, partial["batches"], state["rng"])
-        keeper.meter.restore(partial["meter"])
-    keeper.start_epoch, keeper.steps = progress["epochs_done"], progress["steps"]
-    keeper.train_loss, keeper.val_acc, keeper.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
-    keeper.earlier = {k: progress[k] for k in keeper.earlier}
-    keeper.resumed = True
-    within = f" and {partial['batches']} of {len(train_loader)} batches of the next" if partial else ""
-    keeper.print(f"Resuming {keeper.args.script} from {keeper.checkpoints.last}: "
-                 f"{keeper.start_epoch} of {keeper.args.epochs} epochs done{within}.")
+    def _keep(self, state, record):
+        """Process 0: the model file and the run record, then the checkpoints go."""
+        c, buffer, kept = self.config, io.BytesIO(), what_is_kept(self.config, self.checkpoints.folder)
+        torch.save(state, buffer)
+        write_atomically(c.save_model, buffer.getvalue(), then=kept)
+        append_record(c.results, {**record, "model_sha256": sha256(buffer.getvalue())},
+                      then=f"The model is saved in {c.save_model}, and {kept}.")
+        self.checkpoints.remove_all()
+        if c.kind:
+            self.print(kind_line(c, self.init))
+        if not c.whole:
+            self.print(f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; "
+                       "plot_results.py and 08 leave it out unless asked.")
+        self.print(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
 
 
-def keep(keeper, state, totals, images_per_s, memory, test_acc):
-    """Process 0: the model file and the run record, then the checkpoints go."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    kept = (f"the checkpoint of the finished training is kept in {keeper.checkpoints.folder}: once "
-            f"there is room, finish the run with: {resume_command()}")
-    write_atomically(keeper.args.save_model, buffer.getvalue(), then=kept)
-    keeper.techniques["model_sha256"] = sha256(buffer.getvalue())
-    append_record(keeper.args.results, make_record(keeper.args, keeper.fabric, keeper, totals,
-                                                   images_per_s, memory, test_acc),
-                  then=f"The model is saved in {keeper.args.save_model}, and {kept}.")
-    keeper.checkpoints.remove_all()
-    if keeper.args.kind:
-        keeper.print(keeper.kind_line())
-    if not keeper.args.whole:
-        keeper.print(f"CUT SHORT by --max-steps {keeper.args.max_steps}: recorded as such; "
-                     "plot_results.py and 08 leave it out unless asked.")
-    keeper.print(f"Run record appended to {keeper.args.results}; finetuned model saved to "
-                 f"{keeper.args.save_model}")
+class Figures:
+    """The run's figures so far, kept in each checkpoint and restored by --resume: the epochs and
+    optimizer steps done, each epoch's mean loss, validation accuracy and learning rate, the
+    timing before a --resume, each checkpoint's seconds and the peak memory before its writes."""
+
+    def __init__(self):
+        self.epochs_done, self.steps, self.resumed = 0, 0, False
+        self.train_loss, self.val_acc, self.lr, self.checkpoint_s = [], [], [], []
+        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
+        self.peak_gb = 0.0
+
+    def end_epoch(self, mean_loss, val_acc, lr):
+        self.train_loss.append(mean_loss)
+        self.val_acc.append(val_acc)
+        self.lr.append(lr)
+        self.epochs_done += 1
+
+    def progress(self, totals, partial=None):
+        """What a checkpoint keeps of them (with the totals so far, and where a stopped epoch was)."""
+        return {"epochs_done": self.epochs_done, "batches_done": partial["batches"] if partial else 0,
+                "steps": self.steps, "train_loss": self.train_loss, "val_acc": self.val_acc,
+                "lr": self.lr, **totals, "partial": partial}
+
+    def restore(self, progress):
+        self.epochs_done, self.steps, self.resumed = progress["epochs_done"], progress["steps"], True
+        self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
+        self.earlier = {k: progress[k] for k in self.earlier}
+
+
+def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test_acc):
+    """What ran (script, kind, start, machine, processes, precision asked and run, strategy,
+    settings) and what it measured (time, throughput, memory, per-epoch loss, lr and validation
+    accuracy, test accuracy), the model file, versions, host and time."""
+    c = config
+    strategy = type(fabric.strategy).__name__ if fabric else "SingleDeviceStrategy"
+    strategy = "tensor-parallel+fsdp2" if c.tensor_parallel > 1 else STRATEGIES.get(strategy, strategy)
+    return {
+        "script": c.script, "kind": c.kind or "full", "smoke": c.smoke, "synthetic": c.synthetic,
+        "init": ran["init"], "whole": c.whole, "cut_short_by": None if c.whole else f"--max-steps {c.max_steps}",
+        "resumed": figures.resumed, "launcher": launcher(fabric), "accelerator": c.accelerator,
+        "device_name": device_name(c.accelerator), "devices": c.devices, "num_nodes": c.num_nodes,
+        "world_size": ran["world_size"], "data_parallel_size": c.data_parallel,
+        "tensor_parallel_size": c.tensor_parallel, "precision": ran["precision"],
+        "precision_asked": ran["precision_asked"], "strategy": strategy,
+        "model": "smoke ViT" if c.smoke else c.vit, "epochs": c.epochs, "batch_size": c.batch_size,
+        "micro_batches": c.micro_batches, "seed": c.seed, "max_steps": c.max_steps, "steps": figures.steps,
+        "train_time_s": round(totals["train_time_s"], 3),
+        "images_per_s": None if images_per_s is None else round(images_per_s, 2),
+        "timed_images": int(totals["timed_images"]), "timed_seconds": round(totals["timed_seconds"], 3),
+        "peak_memory_gb": round(max(memory), 4), "peak_memory_gb_per_process": [round(m, 4) for m in memory],
+        **{k: v for k, v in ran.items() if k not in ("init", "precision", "precision_asked", "world_size")},
+        "train_loss": figures.train_loss, "lr": figures.lr,
+        "val_acc": None if c.synthetic else figures.val_acc, "test_acc": None if c.synthetic else test_acc,
+        "model_file": str(c.save_model), "compiled": compiled(), "checkpoint_s": figures.checkpoint_s,
+        "run_s": round(time.monotonic() - STARTED, 3),
+        "torch": torch.__version__, "torchvision": version("torchvision"),
+        "lightning": version("lightning"), "python": platform.python_version(),
+        "hostname": socket.gethostname(), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class Stopping:
+    """Ctrl-C and SIGTERM for a run, and the errors a user can act on. In training a signal is
+    noted (`wanted`) and carried out after the next optimizer step, with a checkpoint of where
+    the run is (`saved`); while the finished run writes its model and record, once they are
+    written (`finished`); before training, while it ends, or at a second signal: at once."""
+
+    def __init__(self, config, rank, world_size, checkpoints):
+        self.config, self.rank, self.world_size, self.checkpoints = config, rank, world_size, checkpoints
+        self.phase = "starting"  # then training, ending (its last lines), finishing (model and record), finished
+        self.wanted, self.signal = 0, None
+        for sig in EXIT_CODES:
+            signal.signal(sig, lambda signum, frame: self.on_signal(signum))
+        sys.excepthook = self.on_uncaught
+
+    def on_signal(self, signum):
+        if self.phase in ("training", "finishing") and not self.wanted:
+            self.wanted, self.signal = EXIT_CODES[signum], signum
+            return
+        self.stop_now(signum)
+
+    def saved(self, code, seconds):
+        """Stopped in training, its checkpoint written: where it is kept and how to continue it."""
+        name = signal.Signals(self.signal or code - 128).name
+        self.stopped(f"interrupted ({name}); saved {self.checkpoints.last} in {seconds:.1f} s; "
+                     f"continue with: {resume_command()}", code)
+
+    def finished(self):
+        self.phase = "finished"
+        if self.wanted:
+            self.stop_now(self.signal)
+
+    def stop_now(self, signum):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        name, c = signal.Signals(signum).name, self.config
+        if self.phase == "finished":  # whole and written; the interpreter may be shutting down: at once
+            self.stopped(f"interrupted ({name}) after the run finished: its record is in "
+                         f"{c.results} and its model in {c.save_model}.", EXIT_CODES[signum], at_once=True)
+        last = self.checkpoints.last
+        where = (f"last checkpoint: {last}; continue with: {resume_command()}" if last else
+                 "no checkpoint yet (one is written after each epoch, and where the run is when it "
+                 "is stopped in training)")
+        self.stopped(f"interrupted ({name}); {where}", EXIT_CODES[signum])
+
+    def stopped(self, message, code, at_once=False):
+        """Process 0 says why the run stops in one line; every process lets go of the run's folder
+        and leaves with `code`."""
+        if self.rank == 0:
+            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
+        leave(code, at_once)
+
+    def on_uncaught(self, kind, err, traceback):
+        """torch.compile's errors, a GPU out of memory, a process of the run lost: one line (the
+        exit code explain() gives). Anything else: the usual traceback."""
+        said = explain(kind, err, self.config, self.rank, self.world_size, self.checkpoints.last)
+        if said is None:
+            return sys.__excepthook__(kind, err, traceback)
+        message, code = said
+        print(f"{self.config.script}: error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        clean_up()
+        os._exit(code)  # an excepthook cannot choose the exit code otherwise
+
+
+def what_is_kept(config, folder):
+    """What a finished run keeps where its model or record cannot be written, and how to go on."""
+    if config.synthetic:
+        return ("a synthetic run keeps no checkpoint of its last epoch: once there is room, run it again "
+                f"with: {invoked(*started_flags())}")
+    return f"the checkpoint of the finished training is kept in {folder}: once there is room, finish the run with: {resume_command()}"
+
+
+def closing_lines(train_time_s, memory_gb, images_per_s, test_acc):
+    """The talk's closing lines (its time and memory, then ours: throughput, accuracy)."""
+    return "\n".join([f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB",
+                      f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
+                      f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
+                      "optimizer steps and each epoch's first are not)",
+                      "Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"])
+
+
+def kind_line(config, init):
+    """What a smoke or synthetic run is, said before its training and again at its end."""
+    what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
+    return (f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}. "
+            f"Not the talk's experiment; its figures are not the talk's.{config.batch_note}")
+
+
+def explain(kind, err, config, rank, world_size, last_checkpoint):
+    """(one line, exit code) for an error a user can act on, or None: torch.compile without its
+    compiler (2) or failing for another reason (1, torch's own reason said), a GPU out of memory
+    (1), a process of the run lost (3)."""
+    reason, lost = first_sentence(err) or kind.__name__, lost_peer(world_size, err)
+    if kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
+        inner = err
+        while getattr(inner, "inner_exception", None) or inner.__cause__:  # Dynamo wraps the backend's
+            inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        without = ("run without compiling: python 01_pytorch-vit.py is 02 without it, and 09 compiles "
+                   "on a CPU only with --compile-on-cpu.")
+        said = f"{type(inner).__name__}: {first_sentence(inner) or type(inner).__name__}"
+        if NO_COMPILER.search(f"{type(inner).__name__} {inner} {err}"):
+            return (f"torch.compile could not compile the model ({reason}). "
+                    f"{COMPILERS.get(config.accelerator, COMPILERS['cpu'])}; or {without}"), 2
+        return f"torch.compile failed ({said}); {without}", 1
+    if issubclass(kind, torch.OutOfMemoryError):
+        return (f"the GPU ran out of memory at --batch-size {config.batch_size} "
+                f"({first_sentence(reason, 160)}): try a smaller --batch-size."), 1
+    if lost:
+        peer = re.search(r"\[([^\]]+)\]:(\d+)", str(err))
+        which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
+        where = (f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once "
+                 "every machine is back" if last_checkpoint else "no checkpoint was written yet: start it again")
+        return (f"a process of the run was lost{which}: a machine died, or a process was killed "
+                f"({lost.group(0)}). Process {rank} of {world_size} stops too; {where}."), 3
+    return None
+
+
+class StepMeter:
+    """Per batch, without waiting for the GPU: the epoch's loss sum, the first NaN or infinite
+    loss (read only at the print points and the epoch's end), and the timed steps. The warm-up
+    counts optimizer steps (each of micro_batches batches), and timing starts at one, so Adam's
+    first step, which makes its state, is never timed."""
+
+    def __init__(self, cuda, micro_batches=1):
+        self.cuda, self.micro_batches = cuda, micro_batches
+        self.steps_per_epoch = None       # batches, set once the loader is known
+        self.timed_images, self.timed_seconds = 0, 0.0
+        self.session_steps = 0            # optimizer steps since this process started (after --resume too)
+        self.epoch = None                 # the figures of the epoch under way
+
+    def step(self, loss, batch_size, lr, epoch_number):
+        """Add the loss to the epoch's sum and note a bad one, on the device; time every step
+        but the run's first WARMUP_STEPS optimizer steps and each epoch's first. Returns whether
+        this batch ended an optimizer step."""
+        loss = loss.detach().float()
+        if self.epoch is None:  # the epoch's first batch
+            zero = torch.zeros((), device=loss.device)
+            self.epoch = {"steps": 0, "loss": zero, "index": zero.clone(), "bad": zero - 1,
+                          "bad_loss": zero.clone(), "timer": None, "timed": 0, "lr": lr}
+        e = self.epoch
+        first_bad = ~torch.isfinite(loss) & (e["bad"] < 0)
+        e["bad"] = torch.where(first_bad, e["index"], e["bad"])
+        e["bad_loss"] = torch.where(first_bad, loss, e["bad_loss"])
+        e["loss"], e["index"] = e["loss"] + loss, e["index"] + 1
+        e["steps"] += 1
+        stepped = e["steps"] % self.micro_batches == 0
+        self.session_steps += stepped
+        if e["steps"] % PRINT_EVERY == 1:
+            self.stop_on_bad_loss(epoch_number)
+        if e["timer"] is not None:
+            e["timed"] += batch_size
+        if e["steps"] == self.steps_per_epoch and e["timer"] is not None:
+            self.timed_images += e["timed"]
+            self.timed_seconds += self.now() - e["timer"]
+        elif e["timer"] is None and stepped and self.session_steps >= WARMUP_STEPS:
+            e["timer"] = self.now()
+            if self.session_steps == WARMUP_STEPS and self.cuda:
+                torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
+        return stepped
+
+    def totals(self, fabric, tensor_parallel, earlier, train_time_s):
+        """Timed training images of all processes (each image once: a tensor-parallel group
+        shares its batch), the slowest process's seconds, and the training time, each including
+        the part before a --resume (`earlier`)."""
+        images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
+        if fabric and fabric.world_size > 1:
+            images = fabric.all_reduce(images, reduce_op="sum") / tensor_parallel
+            seconds = fabric.all_reduce(seconds, reduce_op="max")
+        return {"timed_images": float(images) + earlier["timed_images"],
+                "timed_seconds": float(seconds) + earlier["timed_seconds"],
+                "train_time_s": earlier["train_time_s"] + train_time_s}
+
+    def partial(self):
+        """The epoch so far, for a checkpoint written mid-epoch (read back from the device)."""
+        e = self.epoch
+        return {"steps": e["steps"], "lr": e["lr"],
+                **{k: float(e[k]) for k in ("loss", "index", "bad", "bad_loss")}}
+
+    def restore(self, partial):
+        """The epoch so far as a checkpoint written mid-epoch kept it; its timing starts again."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+        self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
+                      "steps": partial["steps"], "lr": partial["lr"], "timer": None, "timed": 0}
+
+    def end_epoch(self, epoch_number):
+        """The epoch's mean loss (a tensor on the CPU) and its learning rate; stops on a bad loss."""
+        self.stop_on_bad_loss(epoch_number)
+        e, self.epoch = self.epoch, None
+        return (e["loss"] / e["steps"]).cpu(), e["lr"]
+
+    def now(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def stop_on_bad_loss(self, epoch_number):
+        bad = int(self.epoch["bad"]) if self.epoch else -1
+        if bad >= 0:
+            fail(f"the loss is {float(self.epoch['bad_loss'])} at epoch {epoch_number}, batch "
+                 f"{bad}: stopping; no checkpoint or record written for it.", code=1)
+
+
+def techniques(model, optimizer, fabric):
+    """What the memory arithmetic and the bare loop need that the precision and strategy do not
+    say: the optimizer and its kernel (fused, foreach or a loop per parameter), whether blocks are
+    checkpointed, the parallelize function, and the FSDP2 units and how many of them keep their
+    shards in CPU memory (15's offload), as the model carries them."""
+    parallelize = getattr(getattr(fabric, "strategy", None), "_parallelize_fn", None)
+    units, offloaded = fsdp_units(model)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return {"optimizer": type(inner).__name__, "optimizer_kernel": optimizer_kernel(inner),
+            "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
+            "parallelize": getattr(parallelize, "__name__", None),
+            "fsdp2_units": units, "cpu_offload_units": offloaded}
+
+
+def optimizer_kernel(optimizer):
+    """How torch.optim stepped: "fused", "foreach" or "for-loop", as its own default chooses
+    when the script set neither (torch.optim.optimizer._default_to_fused_or_foreach: foreach
+    where every parameter is a plain tensor on a GPU, a loop on a CPU and for DTensor shards in
+    CPU memory)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+    defaults = optimizer.defaults
+    if defaults.get("fused"):
+        return "fused"
+    if defaults.get("foreach") is not None:
+        return "foreach" if defaults["foreach"] else "for-loop"
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+    return "fused" if fused else "foreach" if foreach else "for-loop"
+
+
+def compiled():
+    """Whether torch.compile compiled anything in this process."""
+    dynamo = sys.modules.get("torch._dynamo.utils")
+    return bool(dynamo and dynamo.counters["stats"]["unique_graphs"])
+
+
+def version(package):
+    """A package's version without importing it (lightning takes seconds to import)."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None

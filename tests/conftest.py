@@ -1,6 +1,7 @@
 """Shared helpers: run the real scripts as subprocesses, offline, in a scratch directory."""
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import pickle
@@ -29,6 +30,14 @@ def pytest_configure(config):
         import lightning  # noqa: F401
         import torch
         torch.set_num_threads(1)
+
+@functools.lru_cache(maxsize=None)
+def native_bf16():
+    """Whether this CPU has native bfloat16 (run_keeping/processes.py), as the scripts run here see
+    it (ONEDNN_MAX_CPU_ISA in the environment rehearses a CPU without)."""
+    from run_keeping.processes import native_bf16 as native
+    return native("cpu")
+
 
 SCRIPTS = ["00_pytorch-vit-random-init.py", "01_pytorch-vit.py", "02_pytorch-vit-compile.py",
            "03_fabric-vit.py", "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",

@@ -1,20 +1,25 @@
 """benchmark.py and gpu_check.sh: MFU from the right peaks, the table from the records, the bare
 loop beside each configuration, and the one GPU command at smoke size."""
+import argparse
 import os
 import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 import benchmark
-import benchmark_memory
+from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, read_records, script_env
 
 
 def test_vit_b_16_training_flops_match_the_known_figure():
     # torchvision's 17.56 GFLOPS are multiply-adds: 35.1 GFLOP forward, x3 with backward
-    assert 104e9 < benchmark.flops_per_image(smoke=False) < 106e9
+    assert 104e9 < peaks.flops_per_image(smoke=False) < 106e9
 
 
 @pytest.mark.parametrize("name, precision, expected", [
@@ -28,14 +33,14 @@ def test_vit_b_16_training_flops_match_the_known_figure():
     ("NVIDIA A100 80GB PCIe", "32-true", 19.5),
 ])
 def test_dense_peaks_by_the_name_cuda_reports(name, precision, expected):
-    assert benchmark.peak_tflops(name, precision) == expected
+    assert peaks.peak_tflops(name, precision) == expected
 
 
 def test_peak_tflops_per_precision_overrides_the_table():
     args = benchmark.parse_args(["--peak-tflops", "32-true=60", "bf16-mixed=800"])
-    assert benchmark.peak_tflops("NVIDIA H200", "bf16-mixed", args.peak_tflops) == 800
-    assert benchmark.peak_tflops("NVIDIA H200", "32-true", args.peak_tflops) == 60
-    assert benchmark.peak_tflops("CPU Xeon", "32-true", {}) is None  # no GPU here: no MFU
+    assert peaks.peak_tflops("NVIDIA H200", "bf16-mixed", args.peak_tflops) == 800
+    assert peaks.peak_tflops("NVIDIA H200", "32-true", args.peak_tflops) == 60
+    assert peaks.peak_tflops("CPU Xeon", "32-true", {}) is None  # no GPU here: no MFU
 
 
 def round_records(script, precision, rates, processes=1, batch=16):
@@ -61,20 +66,20 @@ def test_mfu_and_ratios_in_the_rows():
             "bares": [{"images_per_s": b, "peak_memory_gb": 2.9} for b in (400, 440, 300)]},
         ("05_fabric-vit-mixed-ddp.py", 16): {
             "records": round_records("05_fabric-vit-mixed-ddp.py", "bf16-mixed", [500, 520, 480], processes=2), "bares": []}}
-    rows = {(r["script"], r.get("of")): r for r in benchmark.rows_of(measured, 105e9, args)}
+    rows = {(r["script"], r.get("of")): r for r in throughput.rows_of(measured, 105e9, args)}
     four = rows[("04_fabric-vit-mixed-precision.py", None)]
     assert four["vs_01"] == (3.0, 3.0, 3.0)  # 300/100, 330/110, 270/90: the same in every round
     assert four["vs_bare"] == (0.75, 0.75, 0.9)
     assert four["images_per_s"] == (300, 270, 330)
     assert four["mfu"] == pytest.approx(300 * 105e9 / 989.5e12)
-    assert four["busy"] and "busy: its bare loops differ by 47%" in "\n".join(benchmark.markdown_table(list(rows.values())))
+    assert four["busy"] and "busy: its bare loops differ by 47%" in "\n".join(throughput.rows_table(list(rows.values())))
     three = rows[("03_fabric-vit.py", None)]
     assert not three["busy"] and three["spread_bare"] == pytest.approx(1628 / 1475 - 1)
     assert three["noise"] and not four["noise"]  # 0.99-1.02 around 0.99: cannot be told from 1
     assert rows[("05_fabric-vit-mixed-ddp.py", None)]["vs_01"] == (None, None, None)  # 2 processes: no 01 on 2
     bare = rows[("bare loop", "04_fabric-vit-mixed-precision.py")]
     assert bare["images_per_s"] == (400, 300, 440) and bare["mfu"] == pytest.approx(400 * 105e9 / 989.5e12)
-    chosen, order = benchmark.ranking(list(rows.values()))
+    chosen, order = throughput.ranking(list(rows.values()))
     assert order == "04 > 01 = 03"
 
 
@@ -86,11 +91,11 @@ def test_mfu_and_ratios_in_the_rows():
 def test_the_ranking_tells_apart_only_what_every_round_agrees_on(rates, told_apart):
     """Two configurations are ordered (>) only where one was faster in every round and by more
     than TIE in the median; otherwise they are tied (=)."""
-    assert benchmark.TIE == 0.03  # the cases above straddle it
+    assert throughput.TIE == 0.03  # the cases above straddle it
     measured = {
         ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 100, 100]), "bares": []},
         ("02_pytorch-vit-compile.py", 16): {"records": round_records("02_pytorch-vit-compile.py", "32-true", rates), "bares": []}}
-    _, order = benchmark.ranking(benchmark.rows_of(measured, 1e9, benchmark.parse_args([])))
+    _, order = throughput.ranking(throughput.rows_of(measured, 1e9, benchmark.parse_args([])))
     assert order == ("02 > 01" if told_apart else "02 = 01")
 
 
@@ -102,7 +107,7 @@ def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
         ("04_fabric-vit-mixed-precision.py", 16): {"records": round_records("04_fabric-vit-mixed-precision.py", "bf16-mixed", [70, 71, 69]), "bares": []}}
     for record in (r for runs in measured.values() for r in runs["records"]):
         record["device_name"] = "CPU Intel(R) Xeon(R) Processor (2 cores)"
-    lines = benchmark.verdict(benchmark.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
+    lines = throughput.verdict(throughput.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
     text = "\n".join(lines)
     assert "From fastest to slowest (one process, batch 16; >: faster in every round" in text and ": 01 > 04." in text
     assert "BUSY MACHINE: the bare loops of one configuration ran up to 102% apart" in text
@@ -137,7 +142,7 @@ def test_benchmark_rejects_unknown_scripts(tmp_path):
 
 
 def test_loader_rate_is_measured():
-    rates = benchmark.loader_rates(48, [0])
+    rates = throughput.loader_rates(48, [0])
     assert rates[0] > 0
 
 
@@ -159,7 +164,8 @@ def test_gpu_check_at_smoke_size(tmp_path):
     count, the scripts and their bare loops, the report, the input pipeline), with the table's
     figures taken from the records; run by the interpreter PYTHON names, which is not on PATH;
     every output in results/gpu-check/ under the folder it ran in, nothing else left (no model
-    files, no checkpoints), and the checkout as it was."""
+    files, no checkpoints), and the checkout as it was. Then a check killed in its second run:
+    the report it leaves is whole."""
     env = dict(without_the_interpreter_on_path(tmp_path),
                PYTHON=sys.executable)  # an unactivated virtual environment's python, say
     checkout = checkout_files()
@@ -189,7 +195,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     assert scripts[0][6] == "1.00"  # 01 against itself, in the same round
     assert "What this run shows, on CPU" in report and "What it cannot say: anything about a GPU" in report
     # its own outputs, nothing else: no model file, no checkpoint, under it or where it ran
-    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.jsonl", "gpu-check.md", "throughput.md"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.jsonl", "gpu-check.md"]
     assert sorted(p.name for p in tmp_path.iterdir()) in (["results"], ["results", "torch-home"])
     assert sorted(p.name for p in out.parent.iterdir()) == ["gpu-check"]
     # the command benchmark.py prints for charting its records runs as printed
@@ -201,13 +207,92 @@ def test_gpu_check_at_smoke_size(tmp_path):
     assert "Chart written to results/charts.png" in charted.stdout
     assert "workers:" in report and "09's pipeline" in report
 
+    # killed (SIGKILL, every process) in its second run: the report it leaves is whole, with the
+    # first run's row and what had not run yet
+    out = tmp_path / "killed"
+    run = subprocess.Popen(["bash", str(ROOT / "gpu_check.sh"), "--smoke", "--max-steps", "8", "--no-bare",
+                            "--loader-images", "0", "--scripts", "01", "03", "--repeat", "3"], cwd=tmp_path,
+                           env=dict(env, GPU_CHECK_DIR=str(out)), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and run.poll() is None:
+            if (out / "gpu-check.md").exists() and "01_pytorch-vit.py | 16 | 32-true" in (out / "gpu-check.md").read_text():
+                break
+            time.sleep(0.2)
+        assert run.poll() is None, "the check ended before it could be killed"
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.wait()
+    report = (out / "gpu-check.md").read_text()
+    report_is_whole(report)
+    assert "### Not run yet" in report and "01_pytorch-vit.py | 16 | 32-true" in report
+
+
+def report_is_whole(report):
+    """A gpu-check.md as a reader gets it: its heading, every table row with all its cells, and
+    the list of what did not run (yet)."""
+    assert report.startswith("## GPU check, ") and "GPUs the scripts see:" in report
+    assert all(line.count(" | ") == 10 for line in report.splitlines() if re.match(r"^\| (\d\d_|bare loop)", line))
+    assert "### Not run" in report
+
+
+def broken_copy(tmp_path, number="04"):
+    """A copy of the suite whose script `number` fails as it starts (RuntimeError: broken on purpose)."""
+    copy = tmp_path / "suite"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "reference", "docs", "tests"))
+    script = copy / runs.SCRIPTS[number]
+    script.write_text(script.read_text().replace("    keeper = RunKeeper(args, fabric)", "    raise RuntimeError("
+                                                 "'broken on purpose')\n    keeper = RunKeeper(args, fabric)", 1))
+    return copy
+
+
+@pytest.mark.slow
+def test_gpu_check_within_its_minutes_leaves_a_partial_report_and_a_failure_its_row(tmp_path):
+    """--minutes 1 at smoke size, in a copy of the suite whose 04 is broken: it ends within about a
+    minute (the minute less what it keeps back for the report, then the report's writing and the
+    interpreter's exit, which take seconds even on a loaded 2-core CPU), exit 6; the headline's
+    01 measured, 04's row saying why it failed in one line, and the stages that did not fit said
+    not run, each with why."""
+    copy = broken_copy(tmp_path)
+    began = time.monotonic()
+    proc = subprocess.run(["bash", str(copy / "gpu_check.sh"), "--smoke", "--minutes", "1"], cwd=tmp_path,
+                          env=script_env(tmp_path), capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - began
+    assert proc.returncode == 6, proc.stderr[-3000:]
+    assert wall < 60 + 15, wall
+    report = (tmp_path / "results" / "gpu-check" / "gpu-check.md").read_text()
+    report_is_whole(report)
+    rows = {(row[0], row[1]): row for row in table_rows(report)}
+    assert float(rows["01_pytorch-vit.py", "16"][5]) > 0, report
+    assert rows["04_fabric-vit-mixed-precision.py", "16"][10] == "FAILED: exit 1: RuntimeError: broken on purpose"
+    assert re.search(r"^- \S+: not run: .* left$", report, re.M), report
+
+
+@pytest.mark.slow
+def test_gpu_check_finds_python3_where_there_is_no_python(tmp_path):
+    """A machine with python3 and no python on PATH: gpu_check.sh runs it (its preflight, here
+    made to find IPython missing, answers exit 4, not the shell's 127 for a missing command)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    for tool in ("bash", "date", "dirname"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCK_IPYTHON)
+    env = {k: v for k, v in script_env(tmp_path, PATH=str(bin_dir), PYTHONPATH=str(site)).items() if k != "PYTHON"}
+    proc = subprocess.run([str(bin_dir / "bash"), str(ROOT / "gpu_check.sh"), "--smoke"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4 and "preflight: error: missing: watermark" in proc.stderr, proc.stderr
+
 
 def test_the_talks_speedups_and_memory_beside_ours():
     """gpu_check's comparison: the talk's figures come from talk_reference.csv."""
-    from plot_results import load_reference
-    rows = [{"script": benchmark.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": (v, v, v), "memory_gb": m}
+    from run_keeping.config import lessons as load_reference
+    rows = [{"script": runs.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": (v, v, v), "memory_gb": m}
             for n, v, m in (("01", 1.0, 3.5), ("02", 1.1, 3.6), ("03", 0.99, 3.5), ("04", 3.0, 2.9))]
-    lines = benchmark.talk_comparison(rows, load_reference())[2:]
+    lines = throughput.talk_comparison(rows, load_reference())[2:]
     talk = [(line.split(" | ")[2], line.split(" | ")[4].rstrip(" |")) for line in lines]
     assert talk == [("1.00x", "3.71"), ("1.04x", "3.73"), ("1.01x", "3.71"), ("2.94x", "3.04")]
     assert lines[3].split(" | ")[1] == "3.00x" and lines[3].split(" | ")[3] == "2.90"
@@ -217,14 +302,37 @@ def test_memory_arithmetic_per_strategy():
     """What each strategy should hold per process, by arithmetic: DDP adds its buckets to a whole
     copy, FSDP2 halves everything, TP halves each MLP (two thirds of a ViT-L/16) and so lies
     between them."""
-    parameters, _ = benchmark_memory.expected_held("ViT-L/16", "one process")
+    parameters, _ = memory.expected_held("ViT-L/16", "one process")
     assert 300e6 < parameters < 310e6
-    held = {s: benchmark_memory.expected_held("ViT-L/16", s)[1] for s in benchmark_memory.MEMORY_STRATEGIES}
-    state = {s: benchmark_memory.state_bytes(s, parameters, held[s]) for s in held}
+    held = {s: memory.expected_held("ViT-L/16", s)[1] for s in memory.MEMORY_STRATEGIES}
+    state = {s: memory.state_bytes(s, parameters, held[s]) for s in held}
     assert state["DDP (05)"] == 20 * parameters and state["one process"] == 16 * parameters
     assert state["FSDP2 (06)"] == 8 * parameters
     assert state["FSDP2 (06)"] < state["TP (10)"] < state["DDP (05)"]
     assert 0.6 < held["TP (10)"] / parameters < 0.7
+
+
+@pytest.mark.parametrize("kernel, defaults", [
+    ("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False}),
+    (None, {"fused": None, "foreach": None})])  # a record from before it said: torch's own choice
+def test_the_bare_loop_steps_with_the_scripts_optimizer_kernel(kernel, defaults):
+    """The bare loop's optimizer runs the kernel the script's record says its optimizer ran, as
+    torch.optim's defaults chose it there (foreach for plain tensors on a GPU, a loop per parameter
+    on a CPU or for 15's shards in CPU memory; 09's fused AdamW): not fused Adam against the
+    scripts' foreach, which would time the optimizer's kernel as the harness's cost."""
+    optimizer = throughput.make_optimizer("Adam", torch.nn.Linear(2, 2).parameters(), kernel)
+    assert {k: optimizer.defaults[k] for k in defaults} == defaults
+    record = {"precision": "32-true", "strategy": "single-device", "world_size": 1, "batch_size": 16,
+              "optimizer": "Adam", "optimizer_kernel": kernel}
+    assert throughput.bare_spec(record)["optimizer_kernel"] == kernel
+
+
+def test_the_record_says_which_kernel_the_optimizer_ran():
+    from run_keeping.keeper import optimizer_kernel
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_kernel(torch.optim.Adam(cpu)) == "for-loop"  # torch's default on a CPU
+    assert optimizer_kernel(torch.optim.AdamW(cpu, fused=True)) == "fused"  # 09 on its GPU path
+    assert optimizer_kernel(torch.optim.SGD(cpu, lr=0.1, foreach=True)) == "foreach"
 
 
 def test_tensor_parallel_script_is_known_with_its_layout():
@@ -232,9 +340,10 @@ def test_tensor_parallel_script_is_known_with_its_layout():
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
     record = {"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
               "tensor_parallel_size": 2, "batch_size": 16}
-    assert benchmark.bare_spec(record) == {
+    assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
-        "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None}
+        "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None,
+        "optimizer_kernel": None}
 
 
 FREED_BUT_RESIDENT = """
@@ -256,7 +365,7 @@ print(round(rss_mb() - base))
 @pytest.mark.slow
 def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     """400 MB freed between small tensors that stay: glibc's default keeps it resident, which
-    --memory would count as held; with benchmark_memory.EXACT_MALLOC it is handed back."""
+    --memory would count as held; with runs.EXACT_MALLOC it is handed back."""
     def resident_after_free(**env):
         proc = subprocess.run([sys.executable, "-c", FREED_BUT_RESIDENT], capture_output=True,
                               text=True, timeout=120, env=dict(os.environ, **env))
@@ -264,43 +373,38 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
         return int(proc.stdout.split()[-1])
     if resident_after_free() < 200:
         pytest.skip("this C library hands freed memory back by itself")
-    assert resident_after_free(**benchmark_memory.EXACT_MALLOC) < 50
+    assert resident_after_free(**runs.EXACT_MALLOC) < 50
 
 
 @pytest.mark.parametrize("seen, listed", [(1, 1), (2, 2), (1, 2)])
-def test_gpu_check_runs_10_only_where_the_scripts_see_two_gpus(tmp_path, seen, listed):
-    """gpu_check.sh on a GPU machine, with nvidia-smi and the interpreter stood in for (no GPU
-    here): the report names the GPU; 10 runs where torch sees 2 GPUs, as the scripts count them,
-    and is left out, saying why, where it sees 1, also when nvidia-smi lists 2
-    (CUDA_VISIBLE_DEVICES=0 on a 2-GPU machine)."""
+def test_gpu_check_runs_10_only_where_the_scripts_see_two_gpus(tmp_path, monkeypatch, seen, listed):
+    """gpu_check.sh's plan on a GPU machine, with nvidia-smi and torch.cuda's count stood in for
+    (no GPU here): the stages in order of value; 10 planned where torch sees 2 GPUs, as the
+    scripts count them, and left out, saying why, where it sees 1, also when nvidia-smi lists 2
+    (CUDA_VISIBLE_DEVICES=0 on a 2-GPU machine); the report names the GPU as nvidia-smi does."""
+    from benchmarks import gpu_check
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
     smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * listed)
-    python = bin_dir / "python-stand-in"  # the preflight passes and counts $GPUS; benchmark.py
-    python.write_text('#!/bin/sh\ncase "$1" in */tools/preflight.py) echo "$GPUS"; exit 0 ;; esac\n'
-                      'echo "$@" >> "$ARGS"\nwhile [ $# -gt 0 ]; do\n'  # records what it was asked
-                      '  [ "$1" = --report ] && echo "| the table of $2 |" > "$2"\n  shift\ndone\n')
-    for tool in (smi, python):
-        tool.chmod(0o755)
-    env = script_env(tmp_path, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", GPUS=str(seen),
-                     PYTHON=str(python), ARGS=str(tmp_path / "args"), GPU_CHECK_DIR=str(tmp_path / "out"))
-    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    calls = (tmp_path / "args").read_text().splitlines()
-    scripts = calls[0].split("--scripts ")[1].split(" --")[0].split()
-    assert scripts[:13] == ["01", "02", "03", "04", "05", "06", "07", "09", "11", "12", "13", "14", "15"]
-    # then the talk's memory column and the sequel's chain, each in a report of its own
-    assert [c.split("benchmark.py ")[1].split(" --results")[0] for c in calls[1:]] == \
-        ["--memory --talk", "--memory --sequel"]
-    skipped = "10_fabric-vit-tensor-parallel.py skipped: tensor parallelism splits each MLP across 2 GPUs, and this machine has 1."
-    assert ("10" in scripts) == (seen == 2) and (skipped in proc.stderr) == (seen == 1)
-    report = (tmp_path / "out" / "gpu-check.md").read_text()
-    assert f"GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: {seen}" in report
-    assert "| the table of" in report and report.count("| the table of") == 3
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "gpu-check.md", "memory-sequel.md", "memory-talk.md", "throughput.md"]
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
+    check = gpu_check.Check(benchmark.parse_args(["--gpu-check", "--accelerator", "cuda"]))
+    stages = gpu_check.plan(check)
+    assert [stage[1] for stage in stages] == ["headline", "memory-talk", "talk-lessons", "memory-sequel",
+                                              "beyond", "bare-loops", "input"]
+    assert [(s[:2], b) for s, b in stages[0][3]] == [("01", 16), ("04", 16), ("01", 128), ("04", 128)]
+    planned = [script for stage in stages if stage[0] == "throughput" for script, _ in stage[3]]
+    assert ("10_fabric-vit-tensor-parallel.py" in planned) == (seen == 2)
+    assert ("10 left out: tensor parallelism splits each MLP across 2 GPUs" in stages[4][2]) == (seen == 1)
+    talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[])
+    memory_plan, notes = memory.memory_plan(talk, cuda=True, libraries=0.0)
+    assert ("10" in [number for _, number, _ in memory_plan]) == (seen == 2)
+    assert any("10_fabric-vit-tensor-parallel.py skipped: it needs 2 processes" in n for n in notes) == (seen == 1)
+    assert f"GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: {seen}" \
+        in gpu_check.report_text(check)
 
 
 BLOCK_IPYTHON = """
@@ -331,6 +435,30 @@ def test_gpu_check_first_names_a_missing_module_and_its_wheel(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_preflight_names_every_missing_package_at_once(tmp_path, monkeypatch):
+    """An installed package whose own requirements are missing (as IPython's were on the H200
+    machine, after IPython itself): the line names all of them, not only the one the import
+    stopped at, and the commands that fetch them with what they need, then install them on a
+    machine without internet. Its extras' requirements, and what is installed, are not named."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import preflight
+    (tmp_path / "outer_pkg.py").write_text("import inner_missing_a\n")
+    info = tmp_path / "outer_pkg-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: outer-pkg\nVersion: 1.0\n"
+                                   "Requires-Dist: inner-missing-a\nRequires-Dist: inner_missing_b>=2\n"
+                                   "Requires-Dist: numpy\nRequires-Dist: extra-only; extra == 'test'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    absent = preflight.missing(["outer_pkg"])
+    assert absent == {"outer_pkg": "inner_missing_a"}
+    line = preflight.verdict(absent)
+    assert "the packages to install: inner-missing-a inner-missing-b." in line, line
+    assert "extra-only" not in line and "numpy" not in line
+    assert re.search(r"pip download --only-binary=:all: --python-version \d\.\d+ --platform \S+ -d wheels "
+                     r"inner-missing-a inner-missing-b", line)
+    assert line.endswith("pip install --no-index --find-links wheels inner-missing-a inner-missing-b")
+
+
 def test_the_memory_lessons_are_known_with_their_processes():
     args = benchmark.parse_args(["--scripts", "11", "12", "13", "14", "15"])
     assert [s for s, _ in args.runs] == ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
@@ -338,9 +466,9 @@ def test_the_memory_lessons_are_known_with_their_processes():
                                          "14_fabric-vit-sgd-cosine.py", "15_fabric-vit-fsdp-cpu-offload.py"]
     assert [b for _, b in args.runs] == [16] * 5
     # read from each script: whether it takes --devices, and the fewest processes it runs on
-    assert benchmark_memory.process_range("15_fabric-vit-fsdp-cpu-offload.py") == (True, 1)
-    assert benchmark_memory.process_range("10_fabric-vit-tensor-parallel.py") == (True, 2)
-    assert benchmark_memory.process_range("11_fabric-vit-bf16-true.py") == (False, 1)
+    assert runs.process_range("15_fabric-vit-fsdp-cpu-offload.py") == (True, 1)
+    assert runs.process_range("10_fabric-vit-tensor-parallel.py") == (True, 2)
+    assert runs.process_range("11_fabric-vit-bf16-true.py") == (False, 1)
     memory = benchmark.parse_args(["--memory", "--sequel"])
     assert memory.memory_scripts is None and memory.sequel
     with pytest.raises(SystemExit):

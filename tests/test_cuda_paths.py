@@ -1,6 +1,7 @@
 """The branches only a CUDA device takes, run on this CPU with the device stood in for: only
 torch.cuda's answers are replaced (how many GPUs, their name, their memory figures, their
 random state), never the code that asks. (What needs a real GPU: gpu_check.sh.)"""
+import dataclasses
 import json
 import signal
 import sys
@@ -86,7 +87,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     checkpoint and restored."""
     cuda = CudaStandIn(monkeypatch)
     args = parse("--smoke", "--epochs", "2", script="01_pytorch-vit.py", devices=None)
-    args.accelerator = "cuda"  # as parse_args decides on a GPU machine (the test above)
+    args = dataclasses.replace(args, accelerator="cuda")  # as parse_args decides on a GPU machine (the test above)
     steps = 10
 
     def keeper_and_model():
@@ -104,7 +105,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     assert cuda.count("get_rng_state") == 3  # the first epoch's start, the checkpoint's, the next's
     keeper.checkpoints.release()  # as the process's end does
 
-    args.resume = True
+    args = dataclasses.replace(args, resume=True)
     keeper, model, optimizer = keeper_and_model()
     assert ("set_rng_state", [1, 2, 3]) in cuda.calls
     for _ in range(steps):
@@ -119,13 +120,13 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
 
 def test_a_gpu_missing_from_the_table_takes_lightnings(monkeypatch):
     """benchmark.py's MFU on a GPU that its own dense-peak table lacks: Lightning's figure."""
-    import benchmark
+    from benchmarks import peaks
     from lightning.fabric.utilities.throughput import _CUDA_FLOPS
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A10G")
-    assert benchmark.peak_tflops("NVIDIA A10G", "bf16-mixed") == _CUDA_FLOPS["a10g"][torch.bfloat16] / 1e12
+    assert peaks.peak_tflops("NVIDIA A10G", "bf16-mixed") == _CUDA_FLOPS["a10g"][torch.bfloat16] / 1e12
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert benchmark.peak_tflops("NVIDIA A10G", "bf16-mixed") is None
+    assert peaks.peak_tflops("NVIDIA A10G", "bf16-mixed") is None
 
 
 def test_a_checkpoint_continues_where_fewer_gpus_are_visible(monkeypatch):

@@ -32,7 +32,7 @@ def fake_cifar(tmp_path, monkeypatch):
 def loader_args(data_dir, **overrides):
     values = dict(smoke=False, synthetic=False, data_dir=str(data_dir), no_download=True,
                   batch_size=4, num_workers=0, seed=123, world_size=1, max_steps=None,
-                  micro_batches=1)
+                  micro_batches=1, accelerator="cpu")
     values.update(overrides)
     values["data_parallel"] = values["world_size"]
     return argparse.Namespace(**values)
@@ -119,6 +119,19 @@ def test_synthetic_data_has_the_runs_shape():
     assert next(iter(lu.get_dataloaders(args)[0]))[0].shape == (4, 3, 32, 32)
     # evaluation: one image per data-parallel process (a synthetic run measures no accuracy)
     assert len(val.dataset) == len(test.dataset) == 1
+
+
+def test_on_a_gpu_synthetic_batches_come_from_its_own_memory():
+    """A GPU's synthetic run holds one step's images on the device and cycles through them, so a
+    batch is never collated in the CPU's memory and copied over (its images/s would be the
+    loader's); a CPU's holds them all, as the memory arithmetic counts. The device here is
+    torch's meta device, which takes the place of a GPU's memory."""
+    args = loader_args("unused", synthetic=True, max_steps=5, batch_size=4)
+    train, val, _ = lu.synthetic_datasets(args, torch.device("meta"))
+    assert len(train) == 20 and train.images.shape == (4, 3, 224, 224) and train.images.device.type == "meta"
+    assert train[17][0].device.type == "meta" and len(val) == 1
+    on_cpu, _, _ = lu.synthetic_datasets(args)
+    assert on_cpu.tensors[0].shape == (20, 3, 224, 224) and on_cpu.tensors[0].device.type == "cpu"
 
 
 def test_micro_batches_split_each_batch():

@@ -24,11 +24,12 @@ NOT_MEASURED = {
     "1.7 MB",    # the smoke weights file's size, which the tests bound
     "85%",       # --memory --talk plans processes within 85% of the free memory
     "80%",       # --memory skips a model whose state needs more than 80% of the memory
-    "20%",       # a configuration whose bare loops run this far apart is marked busy (benchmark.BUSY)
-    "5%",        # closer than this, two configurations are tied (benchmark.TIE); 09's warm-up
+    "20%",       # a configuration whose bare loops run this far apart is marked busy (throughput.BUSY)
+    "5%",        # closer than this, two configurations are tied (throughput.TIE); 09's warm-up
     "26%", "105 GFLOP", "95%",  # 09's expectation on an H200, not measured
     "30 s",      # SLURM's KillWait default
     "1%",        # 10's tests: its losses within this of a --tensor-parallel 1 run's
+    "12 s", "75 s", "60%", "30%",  # gpu_check's guess for a run no GPU has measured yet (GUESS)
 }
 
 
@@ -103,6 +104,9 @@ RUN = {
     "python benchmark.py --peaks": "python benchmark.py --peaks",
     "python make_smoke_weights.py": "python make_smoke_weights.py --images 100 --steps 2",
     "python tools/figures.py": "python tools/figures.py",
+    "python tools/bf16_probe.py": "python tools/bf16_probe.py",
+    "for s in 03 04 05 06 07 09 10 11 12 13 14 15; do ONEDNN_MAX_CPU_ISA=AVX2 python ${s}_*.py --smoke; done":
+        "for s in 04; do ONEDNN_MAX_CPU_ISA=AVX2 python ${s}_*.py --smoke --max-steps 4 --epochs 1; done",
 }
 ELSEWHERE = {  # why a documented command does not run here, and what runs it or its steps instead
     "pip install -r requirements.txt && python -m pytest -q": "this suite",
@@ -125,6 +129,8 @@ ELSEWHERE = {  # why a documented command does not run here, and what runs it or
     "bash tools/local_slurm.sh start DIR": "test_slurm.py runs it",
     "bash gpu_check.sh": "its --smoke, from another folder, in test_benchmark.py, which checks that it leaves "
                          "the checkout as it was",
+    "bash gpu_check.sh --smoke": "test_benchmark.py: within a minute's --minutes, with a configuration made to fail, "
+                                 "and killed in the middle",
     "bash tools/check_stack.sh minimums": "several GB of downloads", "bash tools/check_stack.sh h200": "several GB of downloads",
 }
 

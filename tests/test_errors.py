@@ -4,7 +4,7 @@ import sys
 import pytest
 
 import local_utilities as lu
-from run_keeping.flags import SMOKE_EPOCHS
+from run_keeping.config import SMOKE_EPOCHS
 from conftest import run_script, script_env
 
 
@@ -142,12 +142,10 @@ def test_devices_given_in_any_spelling_are_taken(argv, flags, processes):
 
 
 def test_a_smoke_batch_that_16_does_not_divide_is_said(argv):
-    from run_keeping.keeper import RunKeeper
+    from run_keeping.keeper import kind_line
     args = argv("--smoke", "--devices", "3", script="05_fabric-vit-mixed-ddp.py", devices=4)
     assert (args.batch_size, args.data_parallel) == (5, 3)
-    keeper = RunKeeper.__new__(RunKeeper)  # only its words, no run
-    keeper.args = args
-    assert "The batch is 5 per data-parallel process, 15 in all, not the talk's 16" in keeper.kind_line()
+    assert "The batch is 5 per data-parallel process, 15 in all, not the talk's 16" in kind_line(args, "random init")
 
 
 def test_a_gpu_asked_for_on_a_machine_without_one(argv, capsys):
@@ -225,18 +223,29 @@ def test_the_memory_lessons_flags(argv, capsys):
     ("cpu", "On a CPU it needs a working C++ compiler: install g++"),
     ("cuda", "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build Triton's launcher: install gcc"),
 ])
-def test_torch_compile_without_its_compiler_names_what_the_device_lacks(accelerator, words, capsys, monkeypatch):
+def test_torch_compile_without_its_compiler_names_what_the_device_lacks(accelerator, words):
     """A GPU machine without a C compiler fails 02 and 09 in torch.compile too, but what it lacks
-    is not a CPU's C++ compiler: the line names what the run's device needs."""
-    import os
+    is not a CPU's C++ compiler: the line names what the run's device needs, exit 2."""
     from types import SimpleNamespace
-    from run_keeping import signals
-    exits = []
-    monkeypatch.setattr(os, "_exit", exits.append)
-    keeper = SimpleNamespace(args=SimpleNamespace(accelerator=accelerator, script="02_pytorch-vit-compile.py", batch_size=16),
-                             world_size=1, rank=0, checkpoints=SimpleNamespace(last=None))
+    from run_keeping.keeper import explain
+    config = SimpleNamespace(accelerator=accelerator, script="02_pytorch-vit-compile.py", batch_size=16)
     failure = type("InductorError", (RuntimeError,), {"__module__": "torch._inductor.exc"})
-    signals.on_uncaught(keeper, failure, failure("Failed to find C compiler"), None)
-    err = capsys.readouterr().err.strip()
-    assert exits == [2] and len(err.splitlines()) == 1 and words in err, err
-    assert "run without compiling: python 01_pytorch-vit.py is 02 without it" in err
+    message, code = explain(failure, failure("Failed to find C compiler"), config, 0, 1, None)
+    assert code == 2 and "\n" not in message and words in message, message
+    assert "run without compiling: python 01_pytorch-vit.py is 02 without it" in message
+
+
+def test_another_compile_error_is_said_as_itself():
+    """A torch.compile error that is not a missing compiler (Dynamo wraps the backend's own in
+    BackendCompilerFailed, whose text begins "backend='inductor' raised:"): the line names the
+    backend's error and its reason, not a compiler, exit 1."""
+    from types import SimpleNamespace
+    from run_keeping.keeper import explain
+    config = SimpleNamespace(accelerator="cuda", script="02_pytorch-vit-compile.py", batch_size=16)
+    wrapper = type("BackendCompilerFailed", (RuntimeError,), {"__module__": "torch._dynamo.exc"})
+    inner = AssertionError("the graph's output has no strides")
+    err = wrapper("backend='inductor' raised:\nAssertionError: the graph's output has no strides")
+    err.inner_exception = inner
+    message, code = explain(wrapper, err, config, 0, 1, None)
+    assert code == 1 and "AssertionError: the graph's output has no strides" in message, message
+    assert "compiler" not in message.split(";")[0] and "install" not in message

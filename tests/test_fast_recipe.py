@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from conftest import ROOT, finish, images_bf16_may_flip, read_records, run_script, script_env, \
+from conftest import native_bf16, ROOT, finish, images_bf16_may_flip, read_records, run_script, script_env, \
     start_script, write_fake_cifar10
 from conftest import uint8_effect
 
@@ -87,7 +87,7 @@ def test_the_gpu_path_runs_on_a_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_records(whole / "results" / "runs.jsonl")[-1]
     assert record["compiled"] is True and record["test_acc"] >= 0.85
-    assert record["precision"] == "bf16-mixed"
+    assert (record["precision"], record["precision_asked"]) == ("bf16-mixed" if native_bf16() else "32-true", "bf16-mixed")
     lr = record["lr"]  # each epoch's first step: at most one epoch of warm-up, then decaying
     peak = lr.index(max(lr))
     assert peak <= 1 and all(a > b for a, b in zip(lr[peak:], lr[peak + 1:])), lr
@@ -191,13 +191,14 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_fast_recipe_beats_04_on_the_demo(smoke_runs, tmp_path):
-    """Over seeds 123, 1 and 2, 09 --smoke's mean test accuracy is at least 04 --smoke's."""
+    """Over seeds 123 and 1, 09 --smoke's mean test accuracy is at least 04 --smoke's (the third
+    seed of docs/fast-recipe.md's table is in its records, reference/smoke-runs.jsonl)."""
     talk = "04_fabric-vit-mixed-precision.py"
     accuracy = {talk: [smoke_runs(talk).record["test_acc"]], FAST: [smoke_runs(FAST).record["test_acc"]]}
-    # the four runs two at a time, one thread each: the relation, not the last digit, is tested
+    # the two runs side by side, one thread each: the relation, not the last digit, is tested
     env = script_env(tmp_path, OMP_NUM_THREADS="1")
     runs = {}
-    for seed in ("1", "2"):
+    for seed in ("1",):
         for script in accuracy:
             cwd = tmp_path / f"{script[:2]}-{seed}"
             cwd.mkdir()
@@ -207,5 +208,5 @@ def test_the_fast_recipe_beats_04_on_the_demo(smoke_runs, tmp_path):
             output = finish([proc])[0]
             assert proc.returncode == 0, output[-3000:]
             accuracy[script].append(read_records(cwd / "results" / "runs.jsonl")[-1]["test_acc"])
-    mean = {script: sum(values) / 3 for script, values in accuracy.items()}
+    mean = {script: sum(values) / len(values) for script, values in accuracy.items()}
     assert mean[FAST] >= mean[talk], accuracy

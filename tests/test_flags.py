@@ -17,7 +17,7 @@ from conftest import ROOT
 import benchmark
 import make_smoke_weights
 import plot_results
-from run_keeping.errors import Stopped
+from run_keeping import Stopped
 
 SCRIPTS = sorted(p.name for p in ROOT.glob("[01][0-9]_*.py"))
 TOOLS = {"benchmark.py": benchmark.parse_args, "plot_results.py": plot_results.main,

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import benchmark
-import benchmark_memory
+from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SCRIPTS
-from run_keeping.devices import FALLBACKS
+from run_keeping.processes import FALLBACKS
 from run_keeping.files import read_records
-from run_keeping.record import STRATEGIES
+from run_keeping.keeper import STRATEGIES
 
 GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H200": 141e9,
         "NVIDIA Quadro Z9000 (in no table)": 48e9}
@@ -25,7 +25,7 @@ def precisions_the_scripts_produce():
     """Each precision a numbered script asks Fabric for (00-02 and plain Fabric: 32-true), and
     what a GPU without bfloat16 runs instead (run_keeping/devices.py)."""
     asked = {m for path in ROOT.glob("[01][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
-    return asked | {"32-true"} | {p for instead in FALLBACKS.values() for p in instead}
+    return asked | {"32-true"} | set(FALLBACKS.values())
 
 
 def strategies_the_scripts_produce():
@@ -51,10 +51,14 @@ def as_on(record, name, **changes):
 @pytest.fixture
 def every_kind_of_record(smoke_runs):
     """Real records of every precision and strategy the scripts produce on this CPU, and, made
-    from them, the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
-    records = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
-    records += [dict(r, precision=p, script=r["script"]) for r in records if r["precision"] == "bf16-mixed"
-                for p in FALLBACKS["single-device" if r["strategy"] in ("single-device", "ddp") else "sharded"]]
+    from them, the precision each asks for as a GPU with bfloat16 runs it (a CPU without it ran
+    32-true) and the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
+    real = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
+    asked = [dict(r, precision=r["precision_asked"]) for r in real]
+    layout = lambda r: "single-device" if r["strategy"] in ("single-device", "ddp") else "sharded"  # noqa: E731
+    older = [dict(r, precision=FALLBACKS[("cuda", r["precision"], layout(r))]) for r in asked
+             if r["precision"].startswith("bf16")]
+    records = real + asked + older
     assert {r["precision"] for r in records} >= precisions_the_scripts_produce()
     assert {r["strategy"] for r in records} >= strategies_the_scripts_produce()
     return records
@@ -74,7 +78,7 @@ def test_the_throughput_report_is_written_whole_on_each_gpu(every_kind_of_record
         bares = [{"images_per_s": r["images_per_s"] * 1.1, "peak_memory_gb": 1.0} for r in rounds]
         measured[(f"{record['script']}", record["batch_size"] + i * 1000)] = {"records": rounds, "bares": bares}
     rates = {"workers": {0: 2000.0, 4: 6000.0}, "device": "cuda", "resize": 50000.0}
-    text = benchmark.throughput_report(args, measured, 105.1e9, rates)
+    text = throughput.report(args, measured, 105.1e9, rates)
     rows = [line for line in text.splitlines() if re.match(r"^\| \d\d_", line) and line.count(" | ") == 10]
     assert len(rows) == len(every_kind_of_record)
     mfu = [line.split(" | ")[9] for line in rows]
@@ -97,15 +101,15 @@ def test_the_memory_tables_are_written_whole_on_each_gpu(gpu, name, tmp_path):
     sequel's figures, the staircase, the chart."""
     gpu(name)
     records = [as_on(r, name) for r in memory_records()]
-    from plot_results import load_reference
+    from run_keeping.config import lessons as load_reference
     reference = load_reference()
-    rows = [benchmark_memory.row_of(r, benchmark_memory.libraries_gb(cuda=True), reference) for r in records]
-    text = benchmark_memory.memory_tables(rows, 0.0, [], cuda=True)
+    rows = [memory.row_of(r, memory.libraries_gb(cuda=True), reference) for r in records]
+    text = memory.memory_tables(rows, 0.0, [], cuda=True)
     assert text.count("\n| 0") + text.count("\n| 1") >= 2 * len(records)
     assert "torch.cuda.max_memory_reserved" in text and "The chain as a staircase" in text
     offloaded = next(r for r in rows if r["record"]["script"].startswith("15"))
     assert offloaded["terms"]["weights"] == offloaded["terms"]["optimizer"] == 0  # in CPU memory there
-    benchmark_memory.staircase_chart(rows, tmp_path / "memory.png", name)
+    memory.staircase_chart(rows, tmp_path / "memory.png", name)
     assert (tmp_path / "memory.png").stat().st_size > 10_000
 
 
@@ -114,7 +118,7 @@ def test_each_memory_run_plans_the_talks_processes(gpu, count):
     """On a GPU machine: 05-07 and 10 on the talk's 4 GPUs where there are 4 (fewer where fewer,
     saying so), 10 skipped on one, 01-04 on one."""
     gpu("NVIDIA H200", count)
-    plans = {n: benchmark_memory.talk_processes(n, "vit_b_16", True, 0.0) for n in benchmark_memory.TALK_SCRIPTS}
+    plans = {n: memory.talk_processes(n, "vit_b_16", True, 0.0) for n in memory.TALK_SCRIPTS}
     for number, (processes, note) in plans.items():
         takes_devices = number in ("05", "06", "07", "10")
         if not takes_devices:
@@ -128,11 +132,11 @@ def test_each_memory_run_plans_the_talks_processes(gpu, count):
 def test_on_a_cpu_with_room_the_talks_four_processes_run(monkeypatch):
     """--memory --talk on a CPU with room for them: 05-07 and 10 each on the talk's 4 processes,
     the others on one (a regression to one process would hold a whole copy less DDP's work)."""
-    monkeypatch.setattr(benchmark_memory, "available_memory", lambda cuda: 200e9)
-    plans = {n: benchmark_memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in benchmark_memory.TALK_SCRIPTS}
+    monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
+    plans = {n: memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in memory.TALK_SCRIPTS}
     assert plans == {"01": 1, "02": 1, "03": 1, "04": 1, "05": 4, "06": 4, "07": 4, "10": 4}
-    monkeypatch.setattr(benchmark_memory, "available_memory", lambda cuda: 8e9)
-    processes, note = benchmark_memory.talk_processes("05", "vit_b_16", False, 0.8)
+    monkeypatch.setattr(memory, "available_memory", lambda cuda: 8e9)
+    processes, note = memory.talk_processes("05", "vit_b_16", False, 0.8)
     assert processes < 4 and f"{processes} processes, not 4" in note
 
 
@@ -141,8 +145,8 @@ def test_every_peak_lookup_answers(name, gpu):
     """peak_tflops for every precision the scripts produce: a figure on the GPUs the tables know,
     None (no MFU) on one they do not, never a KeyError."""
     gpu(name)
-    for precision in precisions_the_scripts_produce() | set(benchmark.UNIT):
-        peak = benchmark.peak_tflops(name, precision)
+    for precision in precisions_the_scripts_produce() | set(peaks.UNIT):
+        peak = peaks.peak_tflops(name, precision)
         if "Quadro" in name or precision == "64-true":
             assert peak is None, (name, precision)
         else:
@@ -156,17 +160,16 @@ def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys)
     micro-batches and checkpointing are each made from the record's words; the one-process ones
     run here, 4 steps each (the others would start processes: their strategy is made)."""
     import argparse
-    import benchmark_memory
-    specs = {benchmark.bare_key(r): benchmark.bare_spec(r) for r in every_kind_of_record}
+    specs = {throughput.bare_key(r): throughput.bare_spec(r) for r in every_kind_of_record}
     assert {s["optimizer"] for s in specs.values()} >= {"Adam", "AdamW", "SGD"}
     assert {s["micro_batches"] for s in specs.values()} >= {1, 4} and any(s["checkpointing"] for s in specs.values())
     for spec in specs.values():
-        benchmark_memory.make_strategy(spec["strategy"], spec["processes"], spec["tensor_parallel"], spec["parallelize"])
-        benchmark.make_optimizer(spec["optimizer"], torch.nn.Linear(2, 2).parameters(), torch.device("cpu"))
+        runs.make_strategy(spec["strategy"], spec["processes"], spec["tensor_parallel"], spec["parallelize"])
+        throughput.make_optimizer(spec["optimizer"], torch.nn.Linear(2, 2).parameters(), torch.device("cpu"))
         if spec["processes"] == 1:
             args = argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu")
             with pytest.raises(SystemExit) as exit_info:
-                benchmark.bare_loop(args)
+                throughput.bare_loop(args)
             assert exit_info.value.code == 0
             line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("BARE "))
             assert json.loads(line[5:])["images_per_s"] > 0, spec

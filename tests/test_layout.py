@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 
 SHARED = [ROOT / "local_utilities.py", *sorted((ROOT / "run_keeping").glob("*.py"))]
-TOOLS = [ROOT / "benchmark.py", ROOT / "benchmark_memory.py", ROOT / "plot_results.py",
+TOOLS = [ROOT / "benchmark.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "plot_results.py",
          ROOT / "make_smoke_weights.py"]
 LESSONS = sorted(ROOT.glob("[01][0-9]_*.py"))
 DOCS = ["flags-records-exit-codes.md", "resume-save-load.md", "benchmarks.md", "smoke.md",
@@ -17,10 +17,10 @@ DOCS = ["flags-records-exit-codes.md", "resume-save-load.md", "benchmarks.md", "
 
 def project_modules():
     """{module name: path} of the project's own importable modules."""
-    found = {p.stem: p for p in [ROOT / "local_utilities.py", *TOOLS]}
-    found.update({f"run_keeping.{p.stem}": p for p in (ROOT / "run_keeping").glob("*.py")
-                  if p.stem != "__init__"})
-    found["run_keeping"] = ROOT / "run_keeping" / "__init__.py"
+    found = {p.stem: p for p in [ROOT / "local_utilities.py", *TOOLS] if p.parent == ROOT}
+    for package in ("run_keeping", "benchmarks"):
+        found.update({f"{package}.{p.stem}": p for p in (ROOT / package).glob("*.py") if p.stem != "__init__"})
+        found[package] = ROOT / package / "__init__.py"
     return found
 
 
@@ -88,10 +88,85 @@ def test_each_helper_and_constant_is_defined_once():
 
 
 def test_no_class_or_function_is_long():
+    """Shared code: classes within 150 lines, functions within 50; the tools' functions within 60."""
     for name, path, kind, lines in definitions(SHARED):
         limit = 150 if kind == "ClassDef" else 50
         assert lines <= limit, f"{path.name}: {name} is {lines} lines"
+    tools = [*TOOLS, *sorted((ROOT / "tools").glob("*.py")), ROOT / "08_load-and-evaluate.py"]
+    for path in tools:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                assert node.end_lineno - node.lineno + 1 <= 60, f"{path.name}: {node.name}"
     assert len((ROOT / "local_utilities.py").read_text().splitlines()) <= 250
+
+
+def reached(module, graph):
+    """The project modules importing `module` reaches (itself included); importing a package's
+    submodule runs the package's __init__ too."""
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [*graph.get(name, ()), *([name.split(".")[0]] if "." in name else [])]
+    return seen
+
+
+def test_a_lesson_reaches_few_project_files():
+    """Importing a numbered script runs at most 8 of the project's files (itself, the talk's
+    helper and run_keeping), every import counted, deferred ones too."""
+    modules = {**project_modules(), **{p.stem: p for p in LESSONS}}
+    graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+    for script in LESSONS:
+        files = reached(script.stem, graph)
+        assert len(files) <= 8 and "local_utilities" in files, (script.name, sorted(files))
+        assert not any(name.startswith("benchmarks") or name in ("benchmark", "plot_results") for name in files)
+
+
+def test_run_keeping_is_a_few_modules_one_concern_each():
+    """At most 6 modules, each saying its concern in the package's docstring; none reaches into
+    another's object: no function outside keeper.py takes the keeper, and the only functions
+    handed a callable are those whose work is to run one (processes.together, signal.signal,
+    atexit)."""
+    modules = sorted((ROOT / "run_keeping").glob("*.py"))
+    assert len(modules) <= 6, [p.name for p in modules]
+    listing = (ROOT / "run_keeping" / "__init__.py").read_text().split('"""')[1]
+    assert all(re.search(rf"^    {p.name}\s", listing, re.M) for p in modules)
+    for path in modules:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and path.name != "keeper.py":
+                assert "keeper" not in [a.arg for a in node.args.args], f"{path.name}: {node.name}"
+            if isinstance(node, ast.Call) and any(isinstance(a, ast.Lambda) for a in [*node.args, *(k.value for k in node.keywords)]):
+                called = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+                assert called in ("together", "signal", "register", "max", "sorted"), f"{path.name}:{node.lineno}: {called}"
+
+
+def test_the_config_is_made_once_and_never_written():
+    """parse_args returns a frozen Config; nothing in a script, the helper or run_keeping writes
+    to it afterwards, and nothing finds a script's flags by scanning its module (__main__)."""
+    import dataclasses
+    import sys
+    import local_utilities as lu
+    from run_keeping.config import Config
+    argv = sys.argv
+    try:
+        sys.argv = ["04_fabric-vit-mixed-precision.py", "--smoke"]
+        config = lu.parse_args(epochs=3)
+    finally:
+        sys.argv = argv
+    assert isinstance(config, Config) and config.epochs == 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.epochs = 5
+    for path in [*(p for p in LESSONS if not p.name.startswith("08")), *SHARED]:  # 08 has its own flags
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                assert not (isinstance(target, ast.Attribute) and getattr(target.value, "id", None) in ("args", "config")), \
+                    f"{path.name}:{node.lineno} writes to the config"
+        assert '"__main__"' not in path.read_text() or path in LESSONS, path.name
 
 
 def test_shared_code_does_not_branch_on_a_scripts_name():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from run_keeping.model_file import load_model_file, plain_state_dict
+from run_keeping.checkpoints import load_model_file, plain_state_dict
 from conftest import images_bf16_may_flip, run_script
 
 

@@ -20,7 +20,7 @@ sys.path.insert(0, sys.argv[2])
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 import local_utilities as lu
-from run_keeping.model_file import plain_state_dict
+from run_keeping.checkpoints import plain_state_dict
 dist.init_process_group(sys.argv[1])  # "cuda:gloo": no backend for CPU tensors, as NCCL's
 mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("data_parallel",))
 torch.manual_seed(0)

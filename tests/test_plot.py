@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT
 
 import plot_results
+from run_keeping.config import lessons
 from conftest import SCRIPTS
 
 
@@ -177,7 +178,7 @@ def overlapping(texts, renderer):
 
 
 def test_eight_scripts_without_overlaps():
-    fig = plot_results.figure(fake_records(), plot_results.load_reference(), "full")
+    fig = plot_results.figure(fake_records(), lessons(), "full")
     renderer = fig.canvas.get_renderer()
     fig.canvas.draw()
     for ax in fig.axes:
@@ -192,7 +193,7 @@ def test_the_title_and_legend_fit_and_say_only_what_is_drawn(count):
     figure, and a legend of single runs promises no spread across seeds."""
     records = {key: dict(r, smoke=True, kind="smoke") for key, r in
                list(fake_records().items())[4:4 + count] or list(fake_records().items())[:count]}
-    fig = plot_results.figure(records, plot_results.load_reference(), "smoke")
+    fig = plot_results.figure(records, lessons(), "smoke")
     fig.canvas.draw()
     figure_box = fig.bbox
     title = fig._suptitle.get_window_extent(fig.canvas.get_renderer())
@@ -205,7 +206,7 @@ def test_the_title_and_legend_fit_and_say_only_what_is_drawn(count):
 
 
 def test_a_panel_without_data_says_so():
-    fig = plot_results.figure(fake_records(with_throughput=False), plot_results.load_reference(),
+    fig = plot_results.figure(fake_records(with_throughput=False), lessons(),
                               "full")
     throughput = next(ax for ax in fig.axes if "throughput" in ax.get_title())
     assert [t.get_text() for t in throughput.texts] == [
@@ -248,7 +249,7 @@ def test_a_failed_chart_write_leaves_the_old_chart(tmp_path, monkeypatch, capsys
             f.write(b"\x89PNG half")
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(Figure, "savefig", half_written)
-    fig = plot_results.figure(fake_records(), plot_results.load_reference(), "full")
+    fig = plot_results.figure(fake_records(), lessons(), "full")
     with pytest.raises(SystemExit) as exit_info:
         plot_results.save(fig, out)
     assert exit_info.value.code == 1
@@ -278,7 +279,7 @@ def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
     assert rows["03_fabric-vit.py"][9:11] == ["1", "-"]
     assert rows["01_pytorch-vit.py"][7] == "1.00x"  # speedup of the means
     kind, latest, _ = plot_results.select(records, "smoke")
-    fig = plot_results.figure(latest, plot_results.load_reference(), kind)
+    fig = plot_results.figure(latest, lessons(), kind)
     accuracy = next(ax for ax in fig.axes if "accuracy" in ax.get_title())
     errorbars = next(c for c in accuracy.containers if type(c).__name__ == "ErrorbarContainer")
     lines = errorbars.lines[2][0].get_segments()  # the bars from min to max
@@ -290,7 +291,7 @@ def test_the_headline_says_how_many_processes_and_each_label_what_ran():
     records = fake_records()
     next(r for r in records.values() if r["script"].startswith("05"))["world_size"] = 2
     assert plot_results.hardware(records) == "NVIDIA H200, 1 or 2 processes per run"
-    reference = plot_results.load_reference()
+    reference = lessons()
     smoke = {"script": "01_pytorch-vit.py", "init": "pretrained on printed digits, smoke_weights/x.pt",
              "batch_size": 16, "world_size": 1, "model": "smoke ViT"}
     label = plot_results.short_label(smoke, reference)
@@ -304,7 +305,7 @@ def test_the_headline_says_how_many_processes_and_each_label_what_ran():
 
 def test_every_numbered_training_script_can_be_charted():
     """09 and 10 are not in the talk: both are charted (the talk's bars say "not in talk")."""
-    known = plot_results.load_reference()
+    known = lessons()
     training = sorted(p.name for p in ROOT.glob("[01][0-9]_*.py") if not p.name.startswith("08"))
     assert [s for s in training if s not in known] == []
     assert known["09_fabric-vit-fast.py"]["time_min"] is None
@@ -342,6 +343,6 @@ def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
     everything = plot("--results", str(path), "--synthetic", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
     assert "03_fabric-vit.py" in table_rows(everything.stdout) and "left out" not in everything.stdout
     kind, latest, _ = plot_results.select(gpu_check_like_records(), "synthetic")
-    labels = [plot_results.short_label(r, plot_results.load_reference()) for r in latest.values()]
+    labels = [plot_results.short_label(r, lessons()) for r in latest.values()]
     assert all("random init" in label for label in labels)
     assert sum("batch 128" in label for label in labels) == 3 and sum("2 processes" in label for label in labels) == 1

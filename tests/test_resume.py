@@ -1,4 +1,5 @@
 """Never lose a run: kill and resume, Ctrl-C, the NaN guard, unloadable checkpoints."""
+import dataclasses
 import json
 import os
 import signal
@@ -11,9 +12,9 @@ import torch
 
 import local_utilities as lu
 from run_keeping.checkpoints import LATEST
-from run_keeping.together import VOTE_EVERY
+from run_keeping.processes import VOTE_EVERY
 from run_keeping.keeper import RunKeeper
-from run_keeping.model_file import load_state_dict, plain_state_dict
+from run_keeping.checkpoints import load_state_dict, plain_state_dict
 from conftest import ROOT, TWO_NODES, check_ok, finish, images_bf16_may_flip, kill_group, read_records, \
     run_script, script_env, smoke_logits, start, start_script, wait_for
 
@@ -351,9 +352,21 @@ def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
     time.sleep(0.5)  # the validation, which images_per_s leaves out
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     assert keeper.meter.timed_seconds < 0.25
-    assert keeper.train_loss == [4.0] and keeper.lr == [5e-5]
+    assert keeper.figures.train_loss == [4.0] and keeper.figures.lr == [5e-5]
     # images_per_s counts neither the run's first 3 steps nor validation: 1 timed step of 4
     assert keeper.meter.timed_images == 4 and keeper.meter.timed_seconds > 0
+
+
+def test_the_warm_up_counts_optimizer_steps_of_micro_batches():
+    """12-14 call the keeper once a micro-batch, 4 to an optimizer step: the untimed warm-up is
+    the run's first 3 optimizer steps (12 micro-batches), and timing starts at a step's end, so
+    Adam's first step, which makes its state, is never timed."""
+    from run_keeping.keeper import StepMeter
+    meter = StepMeter(cuda=False, micro_batches=4)
+    meter.steps_per_epoch = 24
+    stepped = [meter.step(torch.tensor(1.0), 4, 5e-5, 1) for _ in range(24)]
+    assert stepped == [n % 4 == 3 for n in range(24)]
+    assert meter.timed_images == (24 - 12) * 4 and meter.session_steps == 6
 
 
 def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys):
@@ -362,7 +375,7 @@ def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys
     (tmp_path / "checkpoints" / "01_pytorch-vit-smoke").mkdir(parents=True)
     (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / LATEST).write_text("{}")
     args = parse("--resume", "--accelerator", "cpu")
-    args.smoke, args.kind, args.checkpoint_dir = False, "", "checkpoints/01_pytorch-vit"
+    args = dataclasses.replace(args, smoke=False, kind="", checkpoint_dir="checkpoints/01_pytorch-vit")
     with pytest.raises(SystemExit) as exit_info:
         RunKeeper(args)
     assert exit_info.value.code == 2
@@ -479,9 +492,9 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     resumed.resume(fresh, fresh_optimizer, train_loader=[None] * 2)
     assert torch.equal(fresh.conv_proj.weight, model.conv_proj.weight)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
-    assert (resumed.start_epoch, resumed.train_loss, resumed.val_acc, resumed.lr) == \
+    assert (resumed.start_epoch, resumed.figures.train_loss, resumed.figures.val_acc, resumed.figures.lr) == \
         (1, [3.0], [0.5], [5e-5])
-    assert resumed.steps == 2 and resumed.earlier["train_time_s"] > 0
+    assert resumed.figures.steps == 2 and resumed.figures.earlier["train_time_s"] > 0
 
 
 def test_a_compiled_models_checkpoint_and_file_fit_the_uncompiled_model(parse):

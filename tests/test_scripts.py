@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, script_env
+from conftest import native_bf16, ROOT, SCRIPTS, script_env
+from run_keeping.processes import FALLBACKS
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
 BF16_TRUE = ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
@@ -90,10 +91,12 @@ def test_records_say_what_ran(smoke_runs):
         "14_fabric-vit-sgd-cosine.py": ("bf16-true", "single-device", 1),
         "15_fabric-vit-fsdp-cpu-offload.py": ("bf16-mixed", "fsdp2-per-block", 2),
     }
-    for script, (precision, strategy, world_size) in expected.items():
+    for script, (asked, strategy, world_size) in expected.items():
         record = smoke_runs(script).record
-        assert (record["precision"], record["strategy"], record["world_size"]) == \
-               (precision, strategy, world_size), script
+        layout = "single-device" if strategy in ("single-device", "ddp") else "sharded"
+        ran = asked if native_bf16() or asked == "32-true" else FALLBACKS[("cpu", asked, layout)]
+        assert (record["precision"], record["precision_asked"], record["strategy"], record["world_size"]) == \
+               (ran, asked, strategy, world_size), script
 
 
 @pytest.mark.slow
@@ -168,15 +171,94 @@ def test_the_diff_is_the_lesson(a, b, budget):
     assert 0 < len(changed_lines(a, b)) <= budget
 
 
+# A tag names the lesson that made the change it marks: `# [03] instead of loss.backward()`,
+# `# [04] new: mixed precision`. A later script keeps the line as it is (its diff budget counts
+# every changed line), and with it the tag, which still says which lesson changed it.
+TAG = re.compile(r"#\s*\[(\d\d)\]\s+(?:new\b|instead of\b)")
+AGAINST = {b[:2]: a for a, b, _ in CHAIN}
+ROOT_BEFORE = ROOT  # the checkout's, for the test that points ROOT elsewhere
+
+
+def diff_sides(a, b):
+    """(the line numbers of b that `diff a b` shows as new, the stripped lines it shows as old)."""
+    out = subprocess.run(["diff", str(ROOT / a), str(ROOT / b)], capture_output=True, text=True).stdout
+    new, old = set(), set()
+    for header in re.finditer(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$", out, re.M):
+        if header[3] != "d":
+            new.update(range(int(header[4]), int(header[5] or header[4]) + 1))
+    old = {line[2:].strip() for line in out.splitlines() if line.startswith("< ")}
+    return new, old
+
+
+def own_tag_problems(a, b):
+    """Where b's own tags ([NN], b's number) and its changed lines disagree: a changed line with no
+    tag of b's, or a tag of b's on a line b did not change. A changed line needs no tag of its
+    own where it continues a statement whose changed first line has one, or where it is a line of
+    a's moved into a block whose changed header has one (re-indented, as under a new `with`)."""
+    lines = (ROOT / b).read_text().splitlines()
+    new, old = diff_sides(a, b)
+    mine = {n for n, line in enumerate(lines, 1) if b[:2] in TAG.findall(line)}
+    statements = [node for node in ast.walk(ast.parse("\n".join(lines))) if isinstance(node, ast.stmt)]
+    problems = [f"{b}:{n}: a tag of {b[:2]} on a line it does not change" for n in sorted(mine - new)]
+    for n in sorted(new - mine):
+        if not lines[n - 1].strip():
+            continue
+        inner = max((s for s in statements if s.lineno <= n <= s.end_lineno), key=lambda s: s.lineno)
+        if inner.lineno < n and inner.lineno in mine & new:
+            continue  # a continuation line of a tagged change
+        header = next((h for h in range(n - 1, 0, -1) if len(lines[h - 1]) - len(lines[h - 1].lstrip())
+                       < len(lines[n - 1]) - len(lines[n - 1].lstrip()) and lines[h - 1].strip()), None)
+        if lines[n - 1].strip() in old and header in mine & new:
+            continue  # an unchanged line, moved into the tagged block
+        problems.append(f"{b}:{n}: changed, with no tag of {b[:2]}: {lines[n - 1].strip()}")
+    return problems
+
+
 @pytest.mark.parametrize("a, b, budget", CHAIN)
-def test_each_change_says_what_it_replaces(a, b, budget):
-    """Every hunk of the diff carries a `# instead of ...` or `# new` comment on its new side."""
-    out = subprocess.run(["diff", str(ROOT / a), str(ROOT / b)], capture_output=True, text=True)
-    hunks = re.split(r"^\d+(?:,\d+)?[acd]\d+(?:,\d+)?$", out.stdout, flags=re.M)[1:]
-    for hunk in hunks:
-        new_side = [line for line in hunk.splitlines() if line.startswith(">")]
-        if new_side:  # a hunk that only deletes (03: the .to(device) line) has nothing to mark
-            assert any("# instead of" in line or "# new" in line for line in new_side), hunk
+def test_each_changed_line_is_tagged_and_no_unchanged_one(a, b, budget):
+    """Both ways: each line b changes carries b's tag, and no line b leaves as it was does."""
+    assert not own_tag_problems(a, b)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("[01][0-9]_*.py")))
+def test_every_inherited_tag_is_its_lessons_own(script):
+    """A tag of another lesson is that lesson's: an earlier lesson of this one's chain, which
+    changed that line (as it stands here) and tagged it. Scripts outside the chain (08, 09)
+    carry none."""
+    ancestors, number = [], script[:2]
+    while number in AGAINST:
+        number = AGAINST[number][:2]
+        ancestors.append(number)
+    names = {p.name[:2]: p.name for p in ROOT.glob("[01][0-9]_*.py")}
+    for n, line in enumerate((ROOT / script).read_text().splitlines(), 1):
+        for tag in set(TAG.findall(line)) - {script[:2]}:
+            assert tag in ancestors, f"{script}:{n}: a tag of {tag}, which is not a lesson before it"
+            theirs = (ROOT / names[tag]).read_text().splitlines()
+            new, _ = diff_sides(AGAINST[tag], names[tag])
+            assert any(theirs[k - 1].strip() == line.strip() for k in new), \
+                f"{script}:{n}: a tag of {tag} on a line {tag} did not change so: {line.strip()}"
+    if script[:2] not in AGAINST and script[:2] != "00":
+        assert not TAG.search((ROOT / script).read_text()) and "# instead of" not in (ROOT / script).read_text()
+
+
+def test_the_tag_checker_finds_both_kinds_of_stale_tag(tmp_path, monkeypatch):
+    """The checker above, on a lesson made wrong both ways: 04 with a line changed but untagged
+    (its precision's tag taken off), and with a tag of its own on a line it does not change."""
+    for name in ("03_fabric-vit.py", "04_fabric-vit-mixed-precision.py"):
+        (tmp_path / name).write_text((ROOT_BEFORE / name).read_text())
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    four = tmp_path / "04_fabric-vit-mixed-precision.py"
+    text = four.read_text()
+    untagged = re.sub(r'(precision="bf16-mixed",)\s*#.*', r"\1", text)
+    four.write_text(untagged)
+    assert any("changed, with no tag of 04" in p for p in own_tag_problems("03_fabric-vit.py", four.name))
+    for name in ("03_fabric-vit.py", four.name):  # 04's tag in both: on a line 04 does not change
+        path = tmp_path / name
+        path.write_text(path.read_text().replace("optimizer.step()\n", "optimizer.step()  # [04] new: stale\n", 1))
+    assert any("a tag of 04 on a line it does not change" in p for p in own_tag_problems("03_fabric-vit.py", four.name))
+    for name in ("03_fabric-vit.py", four.name):
+        (tmp_path / name).write_text((ROOT_BEFORE / name).read_text())
+    assert not own_tag_problems("03_fabric-vit.py", four.name)
 
 
 def calls(script, name):
@@ -228,7 +310,7 @@ def test_accumulation_steps_after_the_4th_micro_batch_of_4(script):
 def test_fabric_scripts_call_fabric_backward(script):
     source = (ROOT / script).read_text()
     assert len(calls(script, "backward")) == 1 and "fabric.backward(loss)" in source
-    assert "loss.backward()" not in source.replace("# instead of loss.backward()", "")
+    assert "loss.backward()" not in source.replace("# [03] instead of loss.backward()", "")
 
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)
@@ -237,10 +319,10 @@ def test_the_talks_precision_line(script):
     if script.startswith("03"):
         assert "precision=" not in source
     elif script in BF16_TRUE:
-        assert re.search(r'^        precision="bf16-true",  # instead of "bf16-mixed"', source, re.M)
-        assert "    with fabric.init_module():  # new" in source  # the model made in bfloat16
+        assert re.search(r'^        precision="bf16-true",  # \[11\] instead of "bf16-mixed"', source, re.M)
+        assert "    with fabric.init_module():  # [11] new" in source  # the model made in bfloat16
     else:
-        assert re.search(r'^        precision="bf16-mixed",  # new', source, re.M)
+        assert re.search(r'^        precision="bf16-mixed",  # \[04\] new', source, re.M)
 
 
 def test_no_tf32_switch_anywhere():

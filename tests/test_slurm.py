@@ -140,7 +140,7 @@ def test_under_srun_pty_bash_a_run_says_lightning_started_it(monkeypatch):
     """Inside `srun --pty bash` (SLURM's job name "bash"), Lightning ignores SLURM and starts the
     processes of one machine itself: the run works and its opening line says so."""
     from types import SimpleNamespace
-    from run_keeping.launch import opening_line
+    from run_keeping.processes import opening_line
     monkeypatch.setenv("SLURM_JOB_NAME", "bash")
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     fabric = SimpleNamespace(strategy=SimpleNamespace(cluster_environment=type("LightningEnvironment", (), {})()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from run_keeping.flags import SMOKE_GLOBAL_BATCH
+from run_keeping.config import SMOKE_GLOBAL_BATCH
 from conftest import read_records, run_script
 
 TP = "10_fabric-vit-tensor-parallel.py"

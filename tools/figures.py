@@ -10,7 +10,6 @@ for the purpose (each block says which command made them).
     python tools/figures.py --check    # which blocks differ from their records (exit 1); the tests run it
 """
 import argparse
-import csv
 import json
 import re
 import statistics
@@ -21,17 +20,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from run_keeping.files import read_records  # noqa: E402
-from run_keeping.flags import VITS  # noqa: E402
+from run_keeping.files import markdown_table, read_records  # noqa: E402
+from run_keeping.config import VITS, lessons  # noqa: E402
 
 REFERENCE = ROOT / "reference"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- end of figures -->)", re.S)
-
-
-def talk():
-    with open(ROOT / "talk_reference.csv") as f:
-        return {row["script"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
 
 
 def when(records):
@@ -62,12 +56,11 @@ def changed_lines(a, b):
 
 
 def memory_rows(table, vit=None):
-    import benchmark_memory
-    from plot_results import load_reference
-    reference = load_reference()
+    from benchmarks import memory
+    reference = lessons()
     records = [r for r in read_records(REFERENCE / "memory-runs.jsonl") if r["memory_table"] == table
                and (vit is None or r["model"] == vit)]
-    return [benchmark_memory.row_of(r, r["libraries_gb"], reference) for r in records]
+    return [memory.row_of(r, r["libraries_gb"], reference) for r in records]
 
 
 # -- the blocks ----------------------------------------------------------------------------------
@@ -76,23 +69,20 @@ def published(row):
     where its step matches (14's in brackets: the sequel's step had no activation checkpointing)."""
     keys = ("time_min", "memory_gb", "test_acc_pct")
     if row["time_min"]:
-        return [row[k] for k in keys]
+        return [f"{row[k]:.2f}" for k in keys]
     if row["sequel_memory_gb"]:
-        wrap = "(*{}*)" if row["script"].startswith("14") else "*{}*"
+        wrap = "(*{:.2f}*)" if row["script"].startswith("14") else "*{:.2f}*"
         return [wrap.format(row["sequel_" + k]) for k in keys]
     return ["—"] * 3
 
 
 def scripts():
     """README: the one table of the scripts."""
-    rows = talk()
+    rows = lessons()
     memory = {r["number"]: r for r in memory_rows("sequel", "vit_b_16") + memory_rows("talk")}  # the talk's first
     smoke = smoke_runs()
     names = {script[:2]: script for script in rows}
-    lines = [f"Memory measured on {when([m['record'] for m in memory.values()])}; `--smoke` on {when(smoke)} "
-             "(`reference/`).", "",
-             "| script | technique | against | changed lines (budget) | talk: min | talk: GB | talk: acc. % "
-             "| memory GB (CPU) | `--smoke` acc. % |", "|---|---|---|---|---|---|---|---|---|"]
+    cells = []
     for script, row in rows.items():
         changed = f"{changed_lines(names[row['against']], script)} ({row['budget']})" if row["against"] else "—"
         m = memory.get(script[:2])
@@ -102,26 +92,29 @@ def scripts():
         acc = f"{statistics.mean(r['test_acc'] for r in seeds.values()) * 100:.2f}" if seeds else "—"
         if 0 < len(seeds) < 3:
             acc += f" ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})"
-        lines.append(f"| `{script}` | {row['technique']} | {row['against'] or '—'} | {changed} | "
-                     + " | ".join(published(row)) + f" | {mem} | {acc} |")
-    return "\n".join(lines)
+        cells.append([f"`{script}`", row["technique"], row["against"] or "—", changed, *published(row), mem, acc])
+    return "\n".join([f"Memory measured on {when([m['record'] for m in memory.values()])}; `--smoke` on "
+                      f"{when(smoke)} (`reference/`).", "", *markdown_table(
+                          ["script", "technique", "against", "changed lines (budget)", "talk: min", "talk: GB",
+                           "talk: acc. %", "memory GB (CPU)", "`--smoke` acc. %"], cells)])
 
 
 def smoke_table(numbers, caption_scripts):
     """The smoke runs of some scripts: each seed's test accuracy, the mean and the training time."""
-    records, names = smoke_runs(), {s[:2]: s for s in talk()}
+    reference = lessons()
+    records, names = smoke_runs(), {s[:2]: s for s in reference}
     chosen = [r for r in records if r["script"][:2] in numbers]
     seeds = sorted({r["seed"] for r in chosen}, key=[123, 1, 2].index)
-    lines = [f"Measured on {when(chosen)} (`reference/smoke-runs.jsonl`, {caption_scripts}):", "",
-             f"| script | epochs | test accuracy %, seeds {' / '.join(map(str, seeds))} | mean | training s, mean |",
-             "|---|---|---|---|---|"]
+    cells = []
     for number in numbers:
         runs = seeds_of(names[number], records)
         values = [runs[s]["test_acc"] for s in seeds if s in runs]
-        lines.append(f"| {number}, {talk()[names[number]]['technique']} | {runs[seeds[0]]['epochs']} | "
-                     f"{accuracy(values)} | {statistics.mean(values) * 100:.2f} | "
-                     f"{statistics.mean(r['train_time_s'] for r in runs.values()):.1f} |")
-    return "\n".join(lines)
+        cells.append([f"{number}, {reference[names[number]]['technique']}", runs[seeds[0]]["epochs"], accuracy(values),
+                      f"{statistics.mean(values) * 100:.2f}",
+                      f"{statistics.mean(r['train_time_s'] for r in runs.values()):.1f}"])
+    return "\n".join([f"Measured on {when(chosen)} (`reference/smoke-runs.jsonl`, {caption_scripts}):", "",
+                      *markdown_table(["script", "epochs", f"test accuracy %, seeds {' / '.join(map(str, seeds))}",
+                                       "mean", "training s, mean"], cells)])
 
 
 def smoke_seeds():
@@ -137,12 +130,12 @@ def fast_recipe_smoke():
 
 
 def memory_table(table):
-    import benchmark_memory
+    from benchmarks import memory
     rows = memory_rows(table)
     records = [r["record"] for r in rows]
     return (f"Measured on {when(records)}, each run's record in `reference/memory-runs.jsonl`; the libraries "
             f"held {rows[0]['record']['libraries_gb']:.2f} GB:\n\n"
-            + benchmark_memory.memory_tables(rows, rows[0]["record"]["libraries_gb"], [], cuda=False).split("\n", 2)[2])
+            + memory.memory_tables(rows, rows[0]["record"]["libraries_gb"], [], cuda=False).split("\n", 2)[2])
 
 
 def memory_talk():
@@ -154,8 +147,8 @@ def memory_sequel():
 
 
 def memory_strategies():
-    import benchmark_memory
-    return benchmark_memory.strategy_table(read_records(REFERENCE / "memory-strategies.jsonl"))
+    from benchmarks import memory
+    return memory.strategy_table(read_records(REFERENCE / "memory-strategies.jsonl"))
 
 
 def throughput_smoke():
@@ -166,18 +159,18 @@ def throughput_smoke():
 def throughput_smoke_repeats():
     """docs/benchmarks.md: the ranking of benchmark.py --smoke's runs one after another (the three
     in reference/benchmark-smoke-runs/, then the one above), each made again from its records."""
-    import benchmark
+    from benchmarks import throughput
     runs = [*sorted((REFERENCE / "benchmark-smoke-runs").glob("*.jsonl"), key=lambda p: int(p.stem)),
             REFERENCE / "benchmark-smoke.jsonl"]
     lines = []
     for path in runs:
-        measured = {}
-        for record in read_records(path):
-            measured.setdefault((record["script"], record["batch_size"]), {"records": [], "bares": []})
+        records = read_records(path)
+        measured = throughput.new_measurement(dict.fromkeys((r["script"], r["batch_size"]) for r in records))
+        for record in records:
             measured[(record["script"], record["batch_size"])]["records"].append(record)
-        rows = benchmark.rows_of(measured, 0.0, argparse.Namespace(peak_tflops=None))
-        first = min(r["timestamp"] for r in read_records(path))
-        lines.append(f"- {first[:10]} {first[11:16]} UTC: {benchmark.ranking(rows)[1]}")
+        rows = throughput.rows_of(measured, 0.0, argparse.Namespace(peak_tflops=None))
+        first = min(r["timestamp"] for r in records)
+        lines.append(f"- {first[:10]} {first[11:16]} UTC: {throughput.ranking(rows)[1]}")
     return (f"`python benchmark.py --smoke`, {len(runs)} runs on the idle {when(read_records(runs[-1]))}, "
             "ranked from fastest to slowest:\n\n" + "\n".join(lines))
 
@@ -211,30 +204,66 @@ def smoke_weights():
 def save_time():
     """docs/resume-save-load.md: how long a checkpoint of the talk's size takes to write."""
     records = read_records(REFERENCE / "save-time-runs.jsonl")
-    lines = [f"Measured on {when(records)} (`reference/save-time-runs.jsonl`: 04 `--synthetic "
-             "--accelerator cpu --max-steps 4 --epochs 3`, one checkpoint an epoch):", "",
-             "| model | parameters | checkpoint: float32 weights and Adam's two moments, GB | seconds to write, each epoch's |",
-             "|---|---|---|---|"]
-    for r in records:
-        parameters = r["parameters_per_process"][0]
-        lines.append(f"| {VITS[r['model']]} | {parameters / 1e6:.0f} M | {12 * parameters / 1e9:.2f} | "
-                     f"{', '.join(f'{s:.1f}' for s in r['checkpoint_s'])} |")
-    return "\n".join(lines)
+    cells = [[VITS[r["model"]], f"{r['parameters_per_process'][0] / 1e6:.0f} M",
+              f"{12 * r['parameters_per_process'][0] / 1e9:.2f}", ", ".join(f"{s:.1f}" for s in r["checkpoint_s"])]
+             for r in records]
+    return "\n".join([f"Measured on {when(records)} (`reference/save-time-runs.jsonl`: 04 `--synthetic "
+                      "--accelerator cpu --max-steps 4 --epochs 3`, one checkpoint an epoch):", "", *markdown_table(
+                          ["model", "parameters", "checkpoint: float32 weights and Adam's two moments, GB",
+                           "seconds to write, each epoch's"], cells)])
 
 
 def epochs():
     """docs/flags-records-exit-codes.md: the epochs each script trains, in full and --smoke."""
-    from run_keeping.flags import SMOKE_EPOCHS
+    from run_keeping.config import SMOKE_EPOCHS
     by = {}
-    for script, row in talk().items():
+    for script, row in lessons().items():
         if not row["epochs"]:
             continue  # 08 trains nothing
-        full = int(row["epochs"])
+        full = row["epochs"]
         by.setdefault((full, SMOKE_EPOCHS.get(full, 2)), []).append(script[:2])
     return "; ".join(f"{', '.join(numbers)}: {full} (`--smoke`: {smoke})" for (full, smoke), numbers in by.items())
 
 
-BLOCKS = {"scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
+def no_bf16_smoke():
+    """docs/smoke.md: the bf16 lessons' smoke runs on a CPU rehearsed without native bfloat16, each
+    beside 03's, and what bfloat16 costs there against float32."""
+    records = read_records(REFERENCE / "no-bf16-smoke-runs.jsonl")
+    probes = read_records(REFERENCE / "bf16-probe.jsonl")
+    three = next(r for r in records if r["script"].startswith("03"))
+    capped = next(p for p in probes if p["onednn_max_cpu_isa"])
+    free = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["aten_cpu_capability"])
+    native = {r["script"]: r for r in read_records(REFERENCE / "bf16-native-smoke-runs.jsonl")}
+    base = native.get(three["script"])
+    cells = [[r["script"], r["precision_asked"], r["precision"], f"{r['run_s']:.1f}", f"{r['run_s'] / three['run_s']:.2f}",
+              f"{r['train_time_s']:.1f}", f"{r['test_acc'] * 100:.2f}",
+              f"{native[r['script']]['run_s'] / base['run_s']:.2f}" if r["script"] in native and base else "-"]
+             for r in records]
+    return "\n".join([
+        f"Measured on {when(records)} (`reference/no-bf16-smoke-runs.jsonl`; the products: "
+        "`reference/bf16-probe.jsonl`, `python tools/bf16_probe.py`):", "",
+        f"- a {capped['size']}x{capped['size']} product on one thread, oneDNN capped at AVX2: bfloat16 "
+        f"{capped['bf16_gflops']:.1f} GFLOP/s against float32's {capped['fp32_gflops']:.1f}, "
+        f"{capped['fp32_gflops'] / capped['bf16_gflops']:.0f} times slower; without the cap, "
+        f"{free['bf16_gflops']:.1f} against {free['fp32_gflops']:.1f};", "",
+        *markdown_table(["script", "asks", "ran", "seconds, start to record", "against 03's", "training s",
+                         "test accuracy %", "bfloat16 native: against 03's (`reference/bf16-native-smoke-runs.jsonl`)"],
+                        cells)])
+
+
+def gpu_check_plan():
+    """docs/benchmarks.md: gpu_check.sh's stages and the minutes each is guessed at on one H200."""
+    import benchmark
+    from benchmarks import gpu_check
+    rows = gpu_check.guessed_minutes(benchmark.parse_args(["--gpu-check", "--accelerator", "cuda"]))
+    total, cells = 0.0, []
+    for number, (name, runs, minutes) in enumerate(rows, 1):
+        total += minutes
+        cells.append([f"{number}. {name}", runs, f"{minutes:.1f}", f"{total:.1f}"])
+    return "\n".join(markdown_table(["stage", "runs", "guessed minutes on one H200", "guessed minutes so far"], cells))
+
+
+BLOCKS = {"gpu-check-plan": gpu_check_plan, "no-bf16-smoke": no_bf16_smoke, "scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
           "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
           "throughput-smoke-repeats": throughput_smoke_repeats,
@@ -268,14 +297,14 @@ def differing():
 
 def charts():
     """The charts in reference/, from the same records."""
-    import benchmark_memory
     import plot_results
+    from benchmarks import memory
     records = smoke_runs()
     kind, latest, _ = plot_results.select(records, "smoke")
-    plot_results.save(plot_results.figure(latest, plot_results.load_reference(), kind), REFERENCE / "smoke-comparison.png")
+    plot_results.save(plot_results.figure(latest, lessons(), kind), REFERENCE / "smoke-comparison.png")
     for table in ("talk", "sequel"):
         rows = memory_rows(table)
-        benchmark_memory.staircase_chart(rows, REFERENCE / f"memory-{table}.png", rows[0]["record"]["device_name"],
+        memory.staircase_chart(rows, REFERENCE / f"memory-{table}.png", rows[0]["record"]["device_name"],
                                          when=datetime.fromisoformat(rows[-1]["record"]["timestamp"]))
 
 

@@ -1,7 +1,11 @@
 """Before a long check on a new machine: is every module the suite's scripts and tools import
-there? Imports each (torch and Lightning take seconds), and for each that fails names the
-module that is missing (watermark, say, lacks IPython) and the wheel that brings it, in one
-line: exit 4 if any is missing (gpu_check.sh documents the code), 0 if none.
+there? Imports each (torch and Lightning take seconds) and, for every one that fails, names the
+module that is missing (watermark, say, lacks IPython); the installed packages' own requirements
+are walked too, so that every missing package of every layer found here is named at once. Then
+one line, exit 4 (gpu_check.sh documents the code), with the commands that install them: on a
+machine with internet, pip downloads them with everything they need, as wheels for this machine's
+Python and platform; carried here, pip installs them from that folder without the internet.
+Exit 0 if nothing is missing.
 
     python tools/preflight.py                # --count-gpus: then print how many GPUs torch sees
 
@@ -9,7 +13,10 @@ Uses nothing but Python's own library until it imports the suite's.
 """
 import ast
 import importlib
+import importlib.metadata
+import re
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,8 +29,8 @@ WHEELS = {"IPython": "ipython", "sklearn": "scikit-learn", "PIL": "pillow", "yam
 def imported_modules(root=ROOT):
     """The top-level modules the suite's own Python files import (not its tests), less Python's
     own library and the suite's modules."""
-    files = [*root.glob("*.py"), *root.glob("run_keeping/*.py")]
-    ours = {p.stem for p in files} | {"run_keeping"}
+    files = [*root.glob("*.py"), *root.glob("run_keeping/*.py"), *root.glob("benchmarks/*.py")]
+    ours = {p.stem for p in files} | {"run_keeping", "benchmarks"}
     found = set()
     for path in files:
         for node in ast.walk(ast.parse(path.read_text())):
@@ -45,15 +52,58 @@ def missing(modules):
     return absent
 
 
+def canonical(name):
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def needed(requirement):
+    """A Requires-Dist line's package, or None where its markers leave it out here (an extra, an
+    other platform or Python; without the packaging library, any line with markers)."""
+    name = re.match(r"[A-Za-z0-9._-]+", requirement)[0]
+    if ";" not in requirement:
+        return name
+    try:
+        from packaging.requirements import Requirement
+        marker = Requirement(requirement).marker
+        return name if marker is None or marker.evaluate({"extra": ""}) else None
+    except ImportError:
+        return None
+
+
+def missing_requirements(wheels):
+    """The packages that the installed ones among `wheels` require (their metadata's Requires-Dist,
+    as this machine's markers keep them, recursively) and that are not installed: the layers an
+    import stops at one at a time."""
+    seen, todo, absent = set(), list(wheels), set()
+    while todo:
+        name = todo.pop()
+        if canonical(name) in seen:
+            continue
+        seen.add(canonical(name))
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            absent.add(canonical(name))
+            continue
+        todo += [n for n in map(needed, requires) if n]
+    return absent
+
+
 def verdict(absent):
-    """The one line for what is missing, or None."""
+    """The one line for what is missing, with the commands that install it, or None."""
     if not absent:
         return None
-    wheels = sorted({WHEELS.get(name.split(".")[0], name.split(".")[0]) for name in absent.values()})
+    first = {canonical(WHEELS.get(name.split(".")[0], name.split(".")[0])) for name in absent.values()}
+    wheels = sorted(first | missing_requirements([*first, *{WHEELS.get(m, m) for m in absent}]))
     what = ", ".join(f"{module}" + (f" (it needs {name})" if name.split(".")[0] != module else "")
                      for module, name in sorted(absent.items()))
-    return (f"missing: {what}. Install the wheels {' '.join(wheels)} (pip install {' '.join(wheels)}, "
-            "or carry their wheel files to a machine without internet) and run again.")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    platform = sysconfig.get_platform().replace("linux-", "manylinux2014_").replace("-", "_").replace(".", "_")
+    names = " ".join(wheels)
+    return (f"missing: {what}; the packages to install: {names}. With internet here: pip install {names}. "
+            f"Without: on a machine with internet, pip download --only-binary=:all: --python-version {version} "
+            f"--platform {platform} -d wheels {names} (it fetches what they need too); carry the wheels "
+            f"folder here, then: pip install --no-index --find-links wheels {names}")
 
 
 def main():

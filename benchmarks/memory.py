@@ -7,14 +7,14 @@
     python benchmark.py --memory --sequel    # the memory sequel's chain 04, 11-14 (and 15) on
                                              # ViT-B/16 and ViT-L/16, as a staircase
 
-A CPU reports each process's peak resident memory (with glibc's thresholds fixed, below) less
-what the libraries alone hold; a GPU reports torch.cuda.max_memory_reserved, the talk's figure.
+A CPU reports each process's peak resident memory (with glibc's thresholds fixed,
+benchmarks/runs.py) less what the libraries alone hold; a GPU reports
+torch.cuda.max_memory_reserved, the talk's figure. A CPU without native bfloat16 measures no
+script that asks for it (it would run in float32, which is not its lesson), and says so.
 docs/benchmarks.md has the tables as measured.
 """
 import functools
-import json
-import os
-import subprocess
+import re
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -22,12 +22,13 @@ from pathlib import Path
 
 import torch
 
-from run_keeping.errors import fail, leave
-from run_keeping.files import append_record
-from run_keeping.flags import VITS
+from benchmarks.runs import (ROOT, SCRIPTS, RunFailed, ask, make_strategy, memory_env, process_range, run,
+                             run_script, say)
+from run_keeping import leave
+from run_keeping.config import VITS, lessons
+from run_keeping.files import append_record, fmt, markdown_table
+from run_keeping.processes import device_name, native_bf16
 
-ROOT = Path(__file__).resolve().parent
-SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
 # --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
 # state, not the activations), and the strategies of 01/04, 05, 06 and 10 on 1 or 2 processes.
 MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
@@ -35,14 +36,6 @@ MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
 MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
     "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
     "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
-# glibc raises its mmap threshold after each large free, so later large buffers come from its heap
-# and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
-# Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
-# process's resident memory follows what it holds. A GPU's caching allocator keeps freed blocks
-# too, and max_memory_reserved (the talk's figure) counts them.
-EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
 def process_memory(cuda):
     """(current, peak) bytes of this process: the CUDA caching allocator's reserved memory, or
     the resident set (VmRSS, VmHWM)."""
@@ -53,7 +46,7 @@ def process_memory(cuda):
 
 
 def reset_peak_memory(cuda):
-    from run_keeping.record import forget_cpu_peak
+    from run_keeping.processes import forget_cpu_peak
     torch.cuda.reset_peak_memory_stats() if cuda else forget_cpu_peak()
 
 
@@ -64,7 +57,7 @@ def memory_run(args):
     import lightning as L
     import torch.nn.functional as F
     import torchvision.models
-    from run_keeping.model_file import count_local_parameters
+    from run_keeping.checkpoints import count_local_parameters
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
     accelerator = args.accelerator  # auto is resolved by benchmark.parse_args
@@ -96,16 +89,15 @@ def memory_run(args):
         after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
         held = torch.tensor([float(count_local_parameters(model))], device=fabric.device)
         afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
-        fabric.print("MEMORY " + json.dumps({
-            "model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
-            "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
-            "libraries_gb": libraries / 1e9, "device": fabric.device.type}))
+        say("MEMORY", {"model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
+                       "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
+                       "libraries_gb": libraries / 1e9, "device": fabric.device.type}, fabric)
         del model, optimizer, features, targets, loss
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
     fabric.barrier()
-    leave(0)  # run_keeping/errors.py: why a multi-process run ends so
+    leave(0)  # run_keeping/__init__.py: why a multi-process run ends so
 
 
 def state_terms(precision, optimizer, strategy, parameters, held):
@@ -135,8 +127,8 @@ def available_memory(cuda):
 
 
 def memory_report(args):
-    """--memory: each strategy in processes of its own, the models in turn; a table beside the
-    arithmetic, the chart, and the goal on ViT-L/16."""
+    """--memory: each strategy in processes of its own, the models in turn: (the table beside
+    the arithmetic, with the goal on ViT-L/16 and what was skipped or failed; the chart's path)."""
     cuda = args.accelerator == "cuda"
     gpus = torch.cuda.device_count() if cuda else 0
     budget, rows, notes = available_memory(cuda), [], []
@@ -147,62 +139,58 @@ def memory_report(args):
         models = []
         for name in args.memory_models:
             parameters, held = expected_held(name, strategy)
-            need = state_bytes(strategy, parameters, held)
-            if need * (1 if cuda else processes) > 0.8 * budget:
+            need = state_bytes(strategy, parameters, held) * (1 if cuda else processes)
+            if need > 0.8 * budget:
                 notes.append(f"{name} under {strategy}: skipped, its model state alone needs about "
-                             f"{need * (1 if cuda else processes) / 1e9:.0f} GB "
-                             f"{'per GPU' if cuda else f'for {processes} processes'}, more than "
-                             f"80% of the {budget / 1e9:.0f} GB {'per GPU' if cuda else 'free here'}")
+                             f"{need / 1e9:.0f} GB {'per GPU' if cuda else f'for {processes} processes'}, "
+                             f"more than 80% of the {budget / 1e9:.0f} GB {'per GPU' if cuda else 'free here'}")
             else:
                 models.append(name)
         if not models:
             continue
         print(f"measuring {', '.join(models)} under {strategy}", file=sys.stderr, flush=True)
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmark.py"), "--memory-run", strategy,
-                               *models, "--accelerator", args.accelerator], capture_output=True,
-                              text=True, env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
-        found = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("MEMORY ")]
-        if proc.returncode != 0 or len(found) != len(models):
-            fail(f"the memory run of {strategy} failed (exit {proc.returncode}):\n{proc.stderr[-1500:]}")
-        rows += found
-    from run_keeping.record import device_name
+        try:
+            found, _ = ask("MEMORY", ["--memory-run", strategy, *models, "--accelerator", args.accelerator],
+                           env=memory_env(cuda))
+            rows += found
+        except RunFailed as err:
+            notes.append(f"{strategy}: FAILED ({err})")
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for r in rows:  # records, from which strategy_table makes its table again
         r.update(device_name=device_name("cuda" if cuda else "cpu"), timestamp=when, notes=notes)
         append_record(Path(args.results).parent / "memory-strategies.jsonl", r)
-    text = strategy_table(rows)
-    print(text)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(text + "\n")
     chart = Path(args.results).parent / "memory.png"
-    memory_chart(rows, chart, rows[0]["device_name"] if rows else "")
-    print(f"Chart written to {chart}")
+    if rows:
+        memory_chart(rows, chart, rows[0]["device_name"])
+    return strategy_table(rows, notes), chart if rows else None
 
 
-def strategy_table(rows):
+def strategy_table(rows, notes=None):
     """--memory's table from its records: each model under each strategy beside the arithmetic,
-    what was skipped, and FSDP2's and TP's peaks against DDP's on ViT-L/16."""
-    cuda = bool(rows) and rows[0].get("device") == "cuda"
+    what was skipped or failed, and FSDP2's and TP's peaks against DDP's on ViT-L/16."""
+    notes = (rows[0].get("notes") or []) if notes is None and rows else notes or []
+    if not rows:
+        return "\n".join(["Memory per process: nothing measured.", *[f"- {note}" for note in notes]])
+    cuda = rows[0].get("device") == "cuda"
     figure = "torch.cuda.max_memory_reserved" if cuda else "peak resident memory (VmHWM)"
-    lines = [f"Memory per process, {rows[0]['timestamp'][:16].replace('T', ' ')} UTC, on {rows[0]['device_name']}: "
-             f"{figure}; two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
-             "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
-             "parameter (its gradient buckets).", "",
-             "| model | parameters | strategy | processes | parameters held per process | "
-             "model state by arithmetic GB | after the steps, less libraries GB | "
-             "peak per process GB | peak less libraries GB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    header = ["model", "parameters", "strategy", "processes", "parameters held per process",
+              "model state by arithmetic GB", "after the steps, less libraries GB", "peak per process GB",
+              "peak less libraries GB"]
+    cells = []
     for r in rows:
         held = max(r["held"])
         expected = state_bytes(r["strategy"], r["parameters"], held) / 1e9
         libraries = 0 if cuda else r["libraries_gb"]  # CUDA's figures hold no libraries
         peak, after = max(r["peak_gb"]), max(r["after_gb"]) - libraries
         r["expected_gb"], r["peak"], r["peak_less_libraries"] = expected, peak, peak - libraries
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.0f} M | {r['strategy']} | "
-                     f"{r['processes']} | {held / 1e6:.0f} M | {expected:.2f} | {after:.2f} | "
-                     f"{peak:.2f} | {r['peak_less_libraries']:.2f} |")
-    lines += [""] + [f"- {note}" for note in (rows[0].get("notes") or [])]
+        cells.append([r["model"], f"{r['parameters'] / 1e6:.0f} M", r["strategy"], r["processes"],
+                      f"{held / 1e6:.0f} M", f"{expected:.2f}", f"{after:.2f}", f"{peak:.2f}",
+                      f"{r['peak_less_libraries']:.2f}"])
+    lines = [f"Memory per process, {rows[0]['timestamp'][:16].replace('T', ' ')} UTC, on {rows[0]['device_name']}: "
+             f"{figure}; two synthetic Adam steps in bf16-mixed at a small image size; arithmetic: 16 bytes "
+             "per parameter held (float32 weight and gradient, Adam's two moments), DDP 4 more per "
+             "parameter (its gradient buckets).", "", *markdown_table(header, cells), "",
+             *[f"- {note}" for note in notes]]
     by = {(r["model"], r["strategy"]): r["peak"] for r in rows}
     ddp, fsdp, tp = (by.get(("ViT-L/16", s)) for s in ("DDP (05)", "FSDP2 (06)", "TP (10)"))
     if ddp and fsdp and tp:
@@ -259,18 +247,6 @@ def memory_chart(rows, path, device):
     save(fig, path)
 
 
-def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
-    """The strategy a script's record names, for `devices` processes; `parallelize`: the name of
-    the record's parallelize function (15's offloads), else the one its strategy implies."""
-    import lightning as L
-    import local_utilities
-    if name in ("single-device", "ddp"):
-        return {"single-device": "auto", "ddp": "ddp"}[name]
-    parallelize = parallelize or ("tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block")
-    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, parallelize),
-                                                     devices // tensor_parallel, tensor_parallel)
-
-
 # -- --memory --talk and --sequel: the numbered scripts as they are ---------------------------------
 TALK_SCRIPTS = ["01", "02", "03", "04", "05", "06", "07", "10"]
 SEQUEL_SCRIPTS = ["04", "11", "12", "13", "14", "06", "15"]  # 15 branches from 06: CPU offload
@@ -317,7 +293,9 @@ def arithmetic(record):
         else blocks * one_block                  # checkpointed: each block's input, one block again
     micro = record["batch_size"] // (record.get("micro_batches") or 1)
     terms["activations"] = per_image * micro
-    images = (record["max_steps"] * record["batch_size"] + 2) * record["data_parallel_size"]
+    # a CPU's synthetic run holds all its images; a GPU's one step's of them (local_utilities)
+    steps = 1 if record.get("accelerator") == "cuda" else record["max_steps"]
+    images = (steps * record["batch_size"] + 2) * record["data_parallel_size"]
     terms["synthetic images"] = images * 3 * SIZE * SIZE * 4
     return terms
 
@@ -330,29 +308,21 @@ def libraries_gb(cuda):
     code = ("import torch, torchvision, lightning, torchmetrics\nfrom pathlib import Path\n"
             "print(next(l for l in Path('/proc/self/status').read_text().splitlines() "
             "if l.startswith('VmRSS')).split()[1])")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=dict(os.environ, **EXACT_MALLOC))
-    if proc.returncode != 0:
-        fail(f"could not measure the libraries' memory:\n{proc.stderr[-1000:]}")
-    return int(proc.stdout.split()[-1]) * 1024 / 1e9
+    out, _ = run([sys.executable, "-c", code], env=memory_env(cuda=False))
+    return int(out.split()[-1]) * 1024 / 1e9
 
 
-def process_range(script):
-    """(whether the script takes --devices, the fewest processes it runs on): from its source,
-    so that a new script is known as it is written (10's tensor parallelism needs 2)."""
-    source = (ROOT / script).read_text()
-    return "devices=4" in source, 2 if "tensor_parallel_mlps_then_fsdp" in source else 1
-
-
-def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES):
+def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=None):
     """The processes a script runs with: `wanted` (the talk's 4) where it takes --devices and
-    the machine has the GPUs or the memory, else fewer (10 needs its 2); and why, when fewer."""
+    the machine has the GPUs (`gpus`, else torch's count) or the memory, else fewer (10 needs its
+    2); and why, when fewer."""
     takes, least = process_range(SCRIPTS[number])
     if not takes:
         return 1, None
     if cuda:
-        count = min(wanted, torch.cuda.device_count())
-        why = f"this machine has {torch.cuda.device_count()} GPU(s)"
+        gpus = torch.cuda.device_count() if gpus is None else gpus
+        count = min(wanted, gpus)
+        why = f"this machine has {gpus} GPU(s)"
     else:  # what n processes would hold by the arithmetic, with the libraries each imports
         sharded = "fsdp" in (ROOT / SCRIPTS[number]).read_text()
 
@@ -370,58 +340,69 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES):
     return count, None if count == wanted else f"{SCRIPTS[number]}: {count} processes, not {wanted}: {why}"
 
 
-def run_for_memory(number, vit, processes, args, folder, libraries):
+def asks_bf16(number):
+    """The bf16 precision a script asks Fabric for, or None (from its source)."""
+    found = re.search(r'precision="(bf16-\w+)"', (ROOT / SCRIPTS[number]).read_text())
+    return found and found[1]
+
+
+def memory_plan(args, cuda, libraries, gpus=None):
+    """([(vit, number, processes)] to run, notes): the scripts of --talk or --sequel (or
+    --scripts) on each model, on the talk's processes where they fit (else fewer, said); on a CPU
+    without native bfloat16, none that asks for it (one line says why and where to measure it)."""
+    scripts = args.memory_scripts or (SEQUEL_SCRIPTS if args.sequel else TALK_SCRIPTS)
+    vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
+        (list(VITS) if args.sequel else ["vit_b_16"])
+    skipped = [n for n in scripts if asks_bf16(n)] if not cuda and not native_bf16("cpu") else []
+    notes = [f"{', '.join(skipped)} not measured: this {device_name('cpu')} has no native bfloat16, so "
+             "their bf16 precision would run in float32, which is not their lesson; measure them on a CPU "
+             "with AVX512-BF16 or AMX, or on a GPU (docs/benchmarks.md)"] if skipped else []
+    plan = []
+    for vit in vits:
+        for number in (n for n in scripts if n not in skipped):
+            processes, note = talk_processes(number, vit, cuda, libraries,
+                                             SEQUEL_PROCESSES if args.sequel else TALK_PROCESSES, gpus)
+            notes += [note] if note else []
+            if processes is not None:
+                plan.append((vit, number, processes))
+    return plan, notes
+
+
+def run_for_memory(number, vit, processes, args, libraries, timeout=None):
     """One numbered script as it is, on synthetic images at 224, batch 16, TALK_STEPS steps; its
     record, with the table it is for and what the libraries hold (appended to the memory runs'
-    file too, from which the tables can be made again)."""
-    script = SCRIPTS[number]
-    flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16", "--vit", vit,
-             "--results", str(folder / "runs.jsonl"), "--save-model", str(folder / "model.pt"),
-             "--checkpoint-dir", str(folder / "checkpoints"), "--accelerator", args.accelerator]
-    if process_range(script)[0]:  # 1 too, where a script's own default is 4
-        flags += ["--devices", str(processes)]
-    print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
-    cuda = args.accelerator == "cuda"
-    proc = subprocess.run([sys.executable, str(ROOT / script), *flags], capture_output=True, text=True,
-                          env=dict(os.environ, **({} if cuda else EXACT_MALLOC)))
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-3:])
-        fail(f"{script} failed (exit {proc.returncode}):\n{tail}")
-    record = json.loads((folder / "runs.jsonl").read_text().splitlines()[-1])
+    file too, from which the tables can be made again). RunFailed where it failed."""
+    script, cuda = SCRIPTS[number], args.accelerator == "cuda"
+    with tempfile.TemporaryDirectory(prefix="memory-") as scratch:
+        folder = Path(scratch)
+        flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16", "--vit", vit,
+                 "--save-model", str(folder / "model.pt"), "--checkpoint-dir", str(folder / "checkpoints"),
+                 "--accelerator", args.accelerator]
+        if process_range(script)[0]:  # 1 too, where a script's own default is 4
+            flags += ["--devices", str(processes)]
+        record, _ = run_script(script, flags, folder / "runs.jsonl", env=memory_env(cuda), timeout=timeout)
     record.update(memory_table="sequel" if args.sequel else "talk", libraries_gb=round(libraries, 4))
-    (folder / "model.pt").unlink(missing_ok=True)
     append_record(Path(args.results).parent / "memory-runs.jsonl", record)
     return record
 
 
 def talk_memory(args):
     """--memory --talk / --sequel: each script run as it is; its peak per process less the
-    libraries beside the arithmetic, the talk's (or the sequel's) figure, images/s and speedup."""
-    from plot_results import load_reference
+    libraries beside the arithmetic, the talk's (or the sequel's) figure, images/s and speedup.
+    Returns (the tables, the chart's path or None, how many runs failed)."""
     cuda = args.accelerator == "cuda"
-    scripts = args.memory_scripts or (SEQUEL_SCRIPTS if args.sequel else TALK_SCRIPTS)
-    vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
-        (list(VITS) if args.sequel else ["vit_b_16"])
-    libraries, reference, notes, rows = libraries_gb(cuda), load_reference(), [], []
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    for vit in vits:
-        for number in scripts:
-            processes, note = talk_processes(number, vit, cuda, libraries,
-                                             SEQUEL_PROCESSES if args.sequel else TALK_PROCESSES)
-            notes += [note] if note else []
-            if processes is None:
-                continue
-            with tempfile.TemporaryDirectory(prefix="memory-") as folder:
-                record = run_for_memory(number, vit, processes, args, Path(folder), libraries)
-            rows.append(row_of(record, libraries, reference))
-    text = memory_tables(rows, libraries, notes, cuda)
-    print(text)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(text + "\n")
+    libraries, reference, rows = libraries_gb(cuda), lessons(), []
+    plan, notes = memory_plan(args, cuda, libraries)
+    for vit, number, processes in plan:
+        try:
+            rows.append(row_of(run_for_memory(number, vit, processes, args, libraries), libraries, reference))
+        except RunFailed as err:
+            rows.append({"number": number, "vit": vit, "failed": str(err), "processes": processes})
     chart = Path(args.results).parent / ("memory-sequel.png" if args.sequel else "memory-talk.png")
-    staircase_chart(rows, chart, rows[0]["record"]["device_name"] if rows else "")
-    print(f"Chart written to {chart}")
+    measured = [r for r in rows if "failed" not in r]
+    if measured:
+        staircase_chart(measured, chart, measured[0]["record"]["device_name"])
+    return memory_tables(rows, libraries, notes, cuda), chart if measured else None, len(rows) - len(measured)
 
 
 def row_of(record, libraries, reference):
@@ -434,21 +415,24 @@ def row_of(record, libraries, reference):
 
 
 def memory_tables(rows, libraries, notes, cuda):
-    from plot_results import fmt
+    """The tables of --memory --talk or --sequel from their rows (a failed run's row says why)."""
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
-    device = rows[0]["record"]["device_name"] if rows else "?"
+    measured = [r for r in rows if "failed" not in r]
+    device = measured[0]["record"]["device_name"] if measured else device_name("cuda" if cuda else "cpu")
     figure = "torch.cuda.max_memory_reserved" if cuda else (
         f"peak resident memory (VmHWM) with glibc's thresholds fixed, less the {libraries:.2f} GB an "
         "interpreter holds with torch, torchvision, lightning and torchmetrics imported")
-    lines = [f"Memory per process, {when}, on {device}: each script as it is, on synthetic images at "
-             f"224x224, batch 16 per process, random init, {TALK_STEPS} steps; {figure}.", "",
-             "| script | model | processes | precision | peak GB | peak less libraries GB | "
-             "arithmetic GB | measured / arithmetic | talk GB | vs talk | sequel GB (ViT-L/16) | "
-             "images/s | speedup over 01 | talk's speedup |", "|" + "---|" * 14]
-    talk01 = {r["vit"]: r for r in rows if r["number"] == "01"}
-    from plot_results import load_reference
-    talk01_min = load_reference()["01_pytorch-vit.py"]["time_min"]
+    header = ["script", "model", "processes", "precision", "peak GB", "peak less libraries GB", "arithmetic GB",
+              "measured / arithmetic", "talk GB", "vs talk", "sequel GB (ViT-L/16)", "images/s",
+              "speedup over 01", "talk's speedup"]
+    talk01 = {r["vit"]: r for r in measured if r["number"] == "01"}
+    talk01_min = lessons()["01_pytorch-vit.py"]["time_min"]
+    cells = []
     for r in rows:
+        if "failed" in r:
+            cells.append([SCRIPTS[r["number"]], VITS[r["vit"]], r["processes"], f"FAILED: {r['failed']}",
+                          *["-"] * 10])
+            continue
         rec, ref = r["record"], r["reference"]
         base = talk01.get(r["vit"])
         speed = rec["images_per_s"] / base["record"]["images_per_s"] if base and rec["images_per_s"] else None
@@ -456,22 +440,22 @@ def memory_tables(rows, libraries, notes, cuda):
         talk_gb = ref.get("memory_gb") if r["vit"] == "vit_b_16" and rec["world_size"] == ref.get("devices") else None
         talk_speed = talk01_min / ref["time_min"] if talk_gb and ref.get("time_min") else None
         sequel = ref.get("sequel_memory_gb") if r["vit"] == "vit_l_16" else None
-        lines.append(
-            f"| {rec['script']} | {VITS[r['vit']]} | {rec['world_size']} | {rec['precision']} | "
-            f"{r['peak']:.2f} | {r['less']:.2f} | {r['expected']:.2f} | {r['less'] / r['expected']:.2f} | "
-            f"{fmt(talk_gb, '{:.2f}')} | {fmt(talk_gb and r['less'] / talk_gb - 1, '{:+.0%}')} | "
-            f"{fmt(sequel, '{:.2f}')} | {fmt(rec['images_per_s'], '{:.1f}')} | "
-            f"{fmt(speed, '{:.2f}x')} | {fmt(talk_speed, '{:.2f}x')} |")
-    lines += ["", "The arithmetic, term by term (GB per process):", "",
-              "| script | model | " + " | ".join(TERMS) + " |", "|---|---|" + "---|" * len(TERMS)]
-    for r in rows:
-        lines.append(f"| {r['record']['script']} | {VITS[r['vit']]} | " + " | ".join(
-            fmt(r["terms"].get(t) and r["terms"][t] / 1e9, "{:.2f}") for t in TERMS) + " |")
-    lines += staircase_lines(rows) + [""]
-    talked = [(r["number"], r["less"] / r["reference"]["memory_gb"] - 1) for r in rows
+        cells.append([rec["script"], VITS[r["vit"]], rec["world_size"], rec["precision"], f"{r['peak']:.2f}",
+                      f"{r['less']:.2f}", f"{r['expected']:.2f}", f"{r['less'] / r['expected']:.2f}",
+                      fmt(talk_gb, "{:.2f}"), fmt(talk_gb and r["less"] / talk_gb - 1, "{:+.0%}"),
+                      fmt(sequel, "{:.2f}"), fmt(rec["images_per_s"], "{:.1f}"), fmt(speed, "{:.2f}x"),
+                      fmt(talk_speed, "{:.2f}x")])
+    lines = [f"Memory per process, {when}, on {device}: each script as it is, on synthetic images at "
+             f"224x224, batch 16 per process, random init, {TALK_STEPS} steps; {figure}.", "",
+             *markdown_table(header, cells), "", "The arithmetic, term by term (GB per process):", "",
+             *markdown_table(["script", "model", *TERMS], [
+                 [r["record"]["script"], VITS[r["vit"]], *(fmt(r["terms"].get(t) and r["terms"][t] / 1e9, "{:.2f}")
+                                                          for t in TERMS)] for r in measured])]
+    lines += staircase_lines(measured) + [""]
+    talked = [(r["number"], r["less"] / r["reference"]["memory_gb"] - 1) for r in measured
               if r["vit"] == "vit_b_16" and r["reference"].get("memory_gb")
               and r["record"]["world_size"] == r["reference"]["devices"]]
-    sequel = [(r["number"], r["less"] / r["reference"]["sequel_memory_gb"] - 1) for r in rows
+    sequel = [(r["number"], r["less"] / r["reference"]["sequel_memory_gb"] - 1) for r in measured
               if r["vit"] == "vit_l_16" and r["reference"].get("sequel_memory_gb")]
     for what, pairs, goal in (("the talk's figure", talked, 0.10), ("the sequel's figure (ViT-L/16)", sequel, 0.15)):
         if pairs:
@@ -489,22 +473,18 @@ TERMS = ["weights", "gradients", "optimizer", "autocast's bf16 weights", "DDP's 
 def staircase_lines(rows):
     """Each step of the sequel's chain against the one before it: what it saved, measured and by
     arithmetic; and the chain's whole saving on each model."""
-    from plot_results import fmt
     chain = {"11": "04", "12": "11", "13": "12", "14": "13", "15": "06"}  # each step's "before"
     by = {(r["vit"], r["number"]): r for r in rows}
-    lines = []
+    cells = []
     for (vit, number), r in by.items():
         before = by.get((vit, chain.get(number)))
-        if not before:
-            continue
-        if not lines:
-            lines = ["", "The chain as a staircase (peak less libraries, GB per process):", "",
-                     "| step | model | before | after | saved | saved by arithmetic | saved / arithmetic |",
-                     "|---|---|---|---|---|---|---|"]
-        saved, expected = before["less"] - r["less"], before["expected"] - r["expected"]
-        lines.append(f"| {before['number']} → {number} | {VITS[vit]} | {before['less']:.2f} | "
-                     f"{r['less']:.2f} | {saved:.2f} | {expected:.2f} | "
-                     f"{fmt(saved / expected if expected else None, '{:.2f}')} |")
+        if before:
+            saved, expected = before["less"] - r["less"], before["expected"] - r["expected"]
+            cells.append([f"{before['number']} → {number}", VITS[vit], f"{before['less']:.2f}", f"{r['less']:.2f}",
+                          f"{saved:.2f}", f"{expected:.2f}", fmt(saved / expected if expected else None, "{:.2f}")])
+    lines = ["", "The chain as a staircase (peak less libraries, GB per process):", "", *markdown_table(
+        ["step", "model", "before", "after", "saved", "saved by arithmetic", "saved / arithmetic"], cells)] \
+        if cells else []
     if lines:
         steps = [(f"{before['number']}→{r['number']} {VITS[r['vit']]}", (before["less"] - r["less"]) /
                   (before["expected"] - r["expected"])) for (vit, _), r in by.items()

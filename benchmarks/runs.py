@@ -1,0 +1,118 @@
+"""Running processes for the benchmarks: the one runner of a numbered script (on synthetic data,
+its record back) and the one protocol of the benchmark's own child processes (a bare loop, a
+memory run: each answers with tagged JSON lines). A process that fails, or is stopped at its time
+limit, raises RunFailed with the one line that says why, so a tool can report it as a row and go
+on with the rest."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from run_keeping import first_sentence
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
+# glibc raises its mmap threshold after each large free, so later large buffers come from its heap
+# and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
+# Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
+# process's resident memory follows what it holds. A GPU's caching allocator keeps freed blocks
+# too, and max_memory_reserved (the talk's figure) counts them.
+SOME_FAILED = 6  # benchmark.py's and gpu_check.sh's exit code: measured, but some configurations failed
+EXACT_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+class RunFailed(Exception):
+    """A process that did not finish its work: str() is the one line that says why."""
+
+
+class OutOfTime(RunFailed):
+    """A process stopped at its time limit: not a failure of what it runs."""
+
+
+def process_range(script):
+    """(whether the script takes --devices, the fewest processes it runs on): from its source,
+    so that a new script is known as it is written (10's tensor parallelism needs 2)."""
+    source = (ROOT / script).read_text()
+    return "devices=4" in source, 2 if "tensor_parallel_mlps_then_fsdp" in source else 1
+
+
+def memory_env(cuda):
+    """The environment a process is measured for memory in: glibc's thresholds fixed on a CPU."""
+    return dict(os.environ, **({} if cuda else EXACT_MALLOC))
+
+
+def run(command, env=None, timeout=None):
+    """A process and all it starts (Lightning starts a multi-process run's others), in a session
+    of its own so that a time limit stops every one of them. Returns (the finished process,
+    (what it printed on stdout, wall seconds); RunFailed at the limit, or where it failed (its
+    own error line)."""
+    began = time.monotonic()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise OutOfTime(f"stopped after {timeout:.0f} s, when the time left ran out") from None
+    finally:
+        if proc.poll() is None:  # a Ctrl-C here: the child's whole session goes too
+            os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode != 0:
+        raise RunFailed(why(proc.returncode, err))
+    return out, time.monotonic() - began
+
+
+def why(code, stderr):
+    """The one line that says why a process failed: its own error line, else its last line."""
+    lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
+    said = [line for line in lines if ": error: " in line] or lines[-1:] or ["no output"]
+    return f"exit {code}: {first_sentence(said[-1], 240)}"
+
+
+def run_script(script, flags, results, env=None, timeout=None):
+    """A numbered script with `flags`, appending its record to `results`: (that record, wall
+    seconds). RunFailed where it failed, or ended without a record."""
+    def lines():
+        try:
+            return Path(results).read_text().splitlines()
+        except FileNotFoundError:
+            return []
+    before = len(lines())
+    print(f"running {script} {' '.join(flags)}", file=sys.stderr, flush=True)
+    _, seconds = run([sys.executable, str(ROOT / script), *flags, "--results", str(results)], env, timeout)
+    new = lines()[before:]
+    if not new:
+        raise RunFailed("it ended without appending its record")
+    return json.loads(new[-1]), seconds
+
+
+# -- the benchmark's own child processes ----------------------------------------------------------
+def say(tag, answer, fabric=None):
+    """A child's answer to its parent: one line, its tag and the JSON (from the first process)."""
+    (fabric.print if fabric is not None else print)(f"{tag} {json.dumps(answer)}", flush=True)
+
+
+def ask(tag, flags, env=None, timeout=None):
+    """benchmark.py in one of its internal modes (`flags`): every answer it said under `tag`, and
+    the wall seconds. RunFailed where it failed or said nothing."""
+    out, seconds = run([sys.executable, str(ROOT / "benchmark.py"), *flags], env, timeout)
+    answers = [json.loads(line[len(tag) + 1:]) for line in out.splitlines() if line.startswith(tag + " ")]
+    if not answers:
+        raise RunFailed(f"it ended without its {tag} answer")
+    return answers, seconds
+
+
+def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
+    """The strategy a script's record names, for `devices` processes; `parallelize`: the name of
+    the record's parallelize function (15's offloads), else the one its strategy implies."""
+    import lightning as L
+    import local_utilities
+    if name in ("single-device", "ddp"):
+        return {"single-device": "auto", "ddp": "ddp"}[name]
+    parallelize = parallelize or ("tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block")
+    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, parallelize),
+                                                     devices // tensor_parallel, tensor_parallel)

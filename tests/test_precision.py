@@ -1,0 +1,137 @@
+"""bfloat16 where the device computes it, float32 where it would only be emulated: the detection,
+right on both kinds of CPU and rehearsed on either (oneDNN's ONEDNN_MAX_CPU_ISA=AVX2 leaves it the
+kernels of a CPU without AVX512-BF16 or AMX; ATen's ATEN_CPU_CAPABILITY=avx2 changes ATen's
+vector code alone), and what a script and the tools do where it says no."""
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import memory, throughput
+from conftest import ROOT, native_bf16, run_script, script_env
+
+# bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
+# 1.2 against 132.8 GFLOP/s on an AVX2-only AMD EPYC; 1.4 against 52 on an AVX512-BF16 one with
+# oneDNN capped at AVX2), and natively at float32's rate or faster (2.5 times it on the AVX512-BF16
+# EPYC). A quarter of float32's rate is 25 times above the one and 4 times below the other: no
+# machine's day-to-day drift (25-30%) moves a CPU across it.
+EMULATED_BELOW = 0.25
+
+
+def probe(tmp_path, **env):
+    """tools/bf16_probe.py's answer (the suite's detection, and both rates) in that environment."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bf16_probe.py")], capture_output=True,
+                          text=True, timeout=120, env=script_env(tmp_path, **env))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    return {**seen, "ratio": seen["bf16_gflops"] / seen["fp32_gflops"]}
+
+
+@pytest.mark.slow
+def test_the_detection_agrees_with_the_speed_and_the_rehearsals(tmp_path):
+    """Whatever this CPU is: native bfloat16 is said exactly where bfloat16 runs at least a quarter
+    of float32's rate. oneDNN capped at AVX2 is a CPU without it, on any machine; ATen's AVX2 code
+    is not (ATen's capability changes, oneDNN's kernels and the answer do not)."""
+    here, capped, aten = probe(tmp_path), probe(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2"), \
+        probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
+    for seen in (here, capped, aten):
+        assert seen["native"] == (seen["ratio"] >= EMULATED_BELOW), seen
+    assert not capped["native"]
+    assert aten["capability"] == "AVX2" and aten["native"] == here["native"]
+
+
+@pytest.mark.slow
+def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(smoke_runs, tmp_path):
+    """The README's first command on a CPU whose bfloat16 is emulated (rehearsed: oneDNN capped at
+    AVX2): one line naming the CPU and what runs instead, the record saying both, and a run that
+    takes at most twice 03's (the same maths, float32, on the same CPU)."""
+    proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", cwd=tmp_path,
+                      env=script_env(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stdout.splitlines() if "no native bfloat16" in line]
+    assert len(said) == 1 and said[0].startswith("This CPU ") and "oneDNN capped at AVX2" in said[0]
+    assert "running 32-true instead of bf16-mixed" in said[0]
+    record = json.loads((tmp_path / "results" / "runs.jsonl").read_text().splitlines()[-1])
+    assert (record["precision"], record["precision_asked"]) == ("32-true", "bf16-mixed")
+    three = smoke_runs("03_fabric-vit.py")
+    assert proc.wall_s <= 2 * three.wall_s and record["train_time_s"] <= 2 * three.record["train_time_s"]
+
+
+# FSDP2 on 2 CPU processes (06, 07, 10, 15) takes over 2x 03's time whatever the precision: with
+# native bfloat16 here 06's smoke run took 3.1x 03's (its two processes start one after the
+# other, and FSDP2 gathers each block over gloo twice a step); their bound is the float32 run itself.
+WITHIN_TWICE_03 = ["04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py", "09_fabric-vit-fast.py",
+                   "11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
+                   "13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", [*WITHIN_TWICE_03, "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py",
+                                    "10_fabric-vit-tensor-parallel.py", "15_fabric-vit-fsdp-cpu-offload.py"])
+def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs, script):
+    """On a CPU without native bfloat16, every script that asks for a bf16 precision ran float32,
+    never emulated bfloat16, its record saying what was asked; the one-process lessons and 05 in
+    a training time within twice 03's (the smoke runs the suite makes anyway, so on such a CPU this
+    costs nothing more)."""
+    if native_bf16():
+        pytest.skip("this CPU has native bfloat16, so its bf16 runs are its own; the 04 test above rehearses "
+                    "a CPU without (ONEDNN_MAX_CPU_ISA=AVX2)")
+    record = smoke_runs(script).record
+    assert record["precision"] == "32-true" and record["precision_asked"].startswith("bf16")
+    if script in WITHIN_TWICE_03:
+        assert record["train_time_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["train_time_s"]
+
+
+@pytest.mark.parametrize("asked", ["bf16-mixed", "bf16-true"])
+def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, capsys, asked):
+    """On a CPU without native bfloat16, what Fabric does with the model follows the fallback: set
+    up in float32 (11's bf16-true would otherwise still cast it to bfloat16), run without
+    autocast, its one line said."""
+    import lightning as L
+    import torch
+    import local_utilities as lu
+    from run_keeping import processes
+    monkeypatch.setattr(processes, "native_bf16", lambda device: False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
+    assert processes.fall_back_from_bf16(fabric) == "32-true"
+    with fabric.init_module():
+        model = lu.smoke_vit()
+    model = fabric.setup_module(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
+    with fabric.autocast():
+        assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
+    assert f"running 32-true instead of {asked}" in capsys.readouterr().out
+
+
+def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):
+    """--memory --talk on a CPU without native bfloat16: 01-03 measured, 04-07 and 10 not, in one
+    line that says why and where they can be measured; --sequel (all of it bf16): nothing, said so."""
+    monkeypatch.setattr(memory, "native_bf16", lambda device: False)
+    monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
+    talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[])
+    plan, notes = memory.memory_plan(talk, cuda=False, libraries=0.8)
+    assert [number for _, number, _ in plan] == ["01", "02", "03"]
+    assert len(notes) == 1 and notes[0].startswith("04, 05, 06, 07, 10 not measured: this CPU ")
+    assert "has no native bfloat16" in notes[0] and "AVX512-BF16 or AMX, or on a GPU" in notes[0]
+    sequel = argparse.Namespace(**{**vars(talk), "sequel": True})
+    plan, notes = memory.memory_plan(sequel, cuda=False, libraries=0.8)
+    assert plan == [] and notes[0].startswith("04, 11, 12, 13, 14, 06, 15 not measured")
+    plan, _ = memory.memory_plan(talk, cuda=True, libraries=0.0)  # a GPU answers for itself
+    assert "04" in [number for _, number, _ in plan]
+
+
+def test_a_benchmark_row_says_what_ran_and_what_was_asked():
+    """benchmark.py --smoke's 04 row on a CPU without bfloat16: its precision as it ran, the one
+    asked beside it, and the verdict saying which scripts were not measured as they ask."""
+    records = [{"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16, "precision": "32-true",
+                "precision_asked": "bf16-mixed", "world_size": 1, "strategy": "single-device",
+                "images_per_s": 100.0, "peak_memory_gb": 1.0, "device_name": "CPU AMD EPYC (2 cores)"}]
+    measured = {("04_fabric-vit-mixed-precision.py", 16): {"records": records, "bares": []}}
+    args = argparse.Namespace(peak_tflops={}, smoke=True, repeat=1, max_steps=200)
+    rows = throughput.rows_of(measured, 1e9, args)
+    assert rows[0]["precision"] == "32-true (asked bf16-mixed)"
+    assert any(line.startswith("- Not measured in the precision they ask for: 04")
+               for line in throughput.verdict(rows, args, "CPU AMD EPYC (2 cores)"))
