@@ -21,6 +21,6 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)  # outputs go under the current folder, as the scripts' do
 PYTHON=${PYTHON:-$(command -v python || command -v python3 || echo python)}
-export GPU_CHECK_STARTED=${GPU_CHECK_STARTED:-$(date +%s)}  # --minutes counts from here
+export GPU_CHECK_STARTED=$(date +%s)  # --minutes counts from here
 "$PYTHON" "$here/tools/preflight.py" || exit $?
 exec "$PYTHON" "$here/benchmark.py" --gpu-check "$@"

@@ -9,9 +9,10 @@ weights, on one GPU machine, within --minutes (default 8). Stages in order of va
     6 bare-loops     a bare loop of the same maths beside each configuration measured
     7 input          the talk's CIFAR-10 input pipeline and 09's
 
-Each stage is planned from what the stages before it cost (the seconds of each process, kept as
-it goes); a stage that would not finish in the time left is not started, and a throughput stage
-runs as many of its rounds as fit. Every process is stopped at the time left. After every run the
+Each run is planned at what a run like it cost so far (the seconds of each process, kept as it
+goes): a run that would not end in the time left is not started, a throughput stage runs as many
+of its rounds as fit, and a memory stage or the bare loops start only if all their runs fit.
+Every process is stopped when the time is up. After every run the
 report, results/gpu-check/gpu-check.md (GPU_CHECK_DIR elsewhere), is written again whole: what
 finished, and what did not run and why, so a kill at any moment leaves a valid report. A
 configuration that fails is a row saying why, and the rest go on (exit 6). At smoke size (--smoke,
@@ -42,7 +43,7 @@ from run_keeping.files import write_report
 PRIOR_S = {"smoke": 12.0}
 COMPILE_S = {"smoke": 60.0, "full": 75.0}
 GUESS = {"process_s": 12.0, "share": {"fp32": 0.6, "bf16": 0.3}, "gpu": "H200"}
-COMPILES = ("02", "09")  # the scripts that call torch.compile on a GPU (09 on a CPU only if asked)
+COMPILES = {"02": ("smoke", "full"), "09": ("full",)}  # who calls torch.compile, at which size (09: on a GPU)
 MARGIN_S = 5.0  # left unplanned for writing the report at the end
 
 
@@ -57,7 +58,7 @@ class Check:
         self.out = Path(os.environ.get("GPU_CHECK_DIR", "results/gpu-check"))
         self.gpus = gpus if gpus is not None else torch.cuda.device_count() if torch.cuda.is_available() else 0
         self.costs = {}    # (script, batch, vit) or a tag: [seconds of each run]
-        self.stages = []   # (number, name, title, state, text)
+        self.stages = []   # (name, title, state, text) of each stage done
         self.failed = 0
         self.gpu = gpu_line()
 
@@ -74,7 +75,8 @@ class Check:
         seen = self.costs.get((script, batch, vit))
         if seen:
             return seen[-1]
-        compiles = script[:2] in COMPILES and not any(k[0] == script for k in self.costs if isinstance(k, tuple))
+        compiles = self.size in COMPILES.get(script[:2], ()) and \
+            not any(k[0] == script for k in self.costs if isinstance(k, tuple))
         if self.size == "full":
             return guess(script, batch, vit, steps or self.args.max_steps, compiles)
         runs = [s for key, times in self.costs.items() if isinstance(key, tuple) for s in times]

@@ -93,9 +93,9 @@ RUN = {
     "diff 04_fabric-vit-mixed-precision.py 11_fabric-vit-bf16-true.py": "diff 04_fabric-vit-mixed-precision.py 11_fabric-vit-bf16-true.py || true",
     "python 06_fabric-vit-mixed-fsdp.py --help": "python 06_fabric-vit-mixed-fsdp.py --help",
     "for seed in 123 1 2; do for s in 00 01 03 04; do python ${s}_*.py --smoke --seed $seed; done; done":
-        "for seed in 1; do for s in 01; do python ${s}_*.py --smoke --seed $seed; done; done",
+        "for seed in 1; do for s in 01; do python ${s}_*.py --smoke --seed $seed --max-steps 4 --epochs 1; done; done",
     "for seed in 123 1 2; do for s in 04 11 12 13 14 15; do python ${s}_*.py --smoke --seed $seed; done; done":
-        "for seed in 1; do for s in 11; do python ${s}_*.py --smoke --seed $seed; done; done",
+        "for seed in 1; do for s in 11; do python ${s}_*.py --smoke --seed $seed --max-steps 4 --epochs 1; done; done",
     "python plot_results.py --smoke": "python plot_results.py --smoke",
     "python plot_results.py": "python plot_results.py",
     "python 08_load-and-evaluate.py --smoke": "python 08_load-and-evaluate.py --smoke",

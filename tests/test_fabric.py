@@ -150,6 +150,7 @@ leave(5)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_multi_process_gloo_run_leaves_without_the_interpreters_shutdown(tmp_path, world):
     """run_keeping.leave: in a gloo group of 2, out at once with the code (gloo's thread may

@@ -497,6 +497,30 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     assert resumed.figures.steps == 2 and resumed.figures.earlier["train_time_s"] > 0
 
 
+def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
+    """09's GPU path: torch.compile before Fabric's setup. The keeper's checkpoint of that model
+    (Fabric's save) loads back into a compiled model set up the same way, its weights as saved (no
+    forward is run: nothing is compiled)."""
+    import lightning as L
+    args = parse("--checkpoint-dir", str(tmp_path / "ck"))
+    fabric = L.Fabric(accelerator="cpu", devices=1)
+    model = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+    model.module.conv_proj.weight.data.fill_(0.25)
+    keeper = RunKeeper(args, fabric)
+    keeper.resume(model, optimizer, train_loader=[None])
+    keeper.step(torch.tensor(1.0), batch_size=4)
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    ended(keeper)
+    args = parse("--resume", "--checkpoint-dir", str(tmp_path / "ck"))
+    fresh = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
+    fresh_optimizer = fabric.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=5e-5))
+    resumed = RunKeeper(args, fabric)
+    resumed.resume(fresh, fresh_optimizer, train_loader=[None])
+    assert resumed.start_epoch == 1 and bool((fresh.module.conv_proj.weight == 0.25).all())
+    ended(resumed)
+
+
 def test_a_compiled_models_checkpoint_and_file_fit_the_uncompiled_model(parse):
     """02 and 01 share checkpoints and model files: torch.compile's "_orig_mod." is dropped
     when saving and added back when loading into a compiled model."""

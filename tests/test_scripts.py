@@ -156,11 +156,10 @@ def changed_lines(a, b):
 
 def chain():
     """(the script a lesson is a diff against, the lesson, its budget), from talk_reference.csv."""
-    import csv
-    with open(ROOT / "talk_reference.csv") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    names = {row["script"][:2]: row["script"] for row in rows}
-    return [(names[row["against"]], row["script"], int(row["budget"])) for row in rows if row["against"]]
+    from run_keeping.config import lessons
+    rows = lessons()
+    names = {script[:2]: script for script in rows}
+    return [(names[row["against"]], script, row["budget"]) for script, row in rows.items() if row["against"]]
 
 
 CHAIN = chain()
