@@ -1,7 +1,8 @@
 """One chapter of the CVPR 2023 talk "Scaling PyTorch Model Training With Minimal Code Changes":
 torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
-before it: `diff` two neighbours to see it; `--help` says which. The talk's figures and each
-script's change are in talk_reference.csv.
+before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
+changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
+figures and each script's change are in talk_reference.csv.
 
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
@@ -82,7 +83,7 @@ if __name__ == "__main__":
     ### 2 Initializing the Model
     #########################################
     with fabric.init_module():  # [11] new: the model is created in bfloat16, on the device (no float32 copy first)
-        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [11] instead of weights=None: ImageNet-pretrained
+        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
 
     # replace output layer
     model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
