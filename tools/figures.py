@@ -176,17 +176,19 @@ def throughput_smoke_repeats():
 
 
 def suite_time():
-    """How long the tests take, as measured on a clean clone."""
+    """How long the tests take, as measured on a clean clone: the newest day's runs, each with its
+    commit, those with oneDNN capped at AVX2 (a CPU without native bfloat16, rehearsed) said so."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
-    full = [r for r in runs if r["tier"] == "all"]
-    quick = [r for r in runs if r["tier"] == "quick"]
+    newest = max(r["timestamp"][:10] for r in runs)
+    full = [r for r in runs if r["tier"] == "all" and r["timestamp"][:10] == newest]
+    quick = [r for r in runs if r["tier"] == "quick" and r["timestamp"][:10] == newest]
     minutes = lambda s: f"{int(s // 60)} min {int(round(s % 60))} s"  # noqa: E731
+    said = [f"{r['tests']} tests in {minutes(r['seconds'])} (at {r['commit']}"
+            + (", oneDNN capped at AVX2: no native bfloat16" if r.get("onednn_max_cpu_isa") else "") + ")"
+            for r in full]
     quick_times = " and ".join(f"{r['seconds']:.0f} s" for r in quick)
-    times = [minutes(r["seconds"]) for r in full]
-    times = ", ".join(times[:-1]) + " and " + times[-1] if len(times) > 1 else times[0]
-    return (f"{full[-1]['tests']} tests in {times} ({len(full)} runs)"
-            + f" on {when(full)}, from a clean clone with torch.compile's cache empty; the quick tier, "
-            f"{quick[-1]['tests']} tests, in {quick_times}.")
+    return (f"{'; '.join(said)} on {when(full)}, each from a clean clone with torch.compile's cache empty; "
+            f"the quick tier, {quick[-1]['tests']} tests, in {quick_times}.")
 
 
 def smoke_weights():
