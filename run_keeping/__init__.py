@@ -52,7 +52,7 @@ _ending = [None]  # the code of the last Stopped: what the program ends with if 
 class Stopped(SystemExit):
     """What fail() raises once its line is printed: SystemExit(code). Uncaught, the program ends
     with that code; a multi-process run catches it to stop every process together
-    (run_keeping/together.py)."""
+    (run_keeping/processes.py)."""
 
     def __init__(self, code):
         super().__init__(code)

@@ -81,7 +81,7 @@ def test_each_helper_and_constant_is_defined_once():
         if kind != "method" and name not in ("main", "parse_args", "ROOT"):
             names.setdefault(name, []).append(path.relative_to(ROOT).as_posix())
     twice = {name: paths for name, paths in names.items() if len(paths) > 1}
-    # local_utilities.parse_args is the talk's entry point into run_keeping/flags.py's
+    # local_utilities.parse_args is the talk's entry point into run_keeping/config.py's
     assert not twice, twice
     for name in ("fail", "WARMUP_STEPS", "read_records", "SMOKE_GLOBAL_BATCH"):
         assert len(names.get(name, [])) == 1, name

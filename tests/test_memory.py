@@ -8,7 +8,7 @@ import pytest
 from benchmarks import memory, runs
 from conftest import native_bf16, ROOT, in_memory, read_records, script_env
 
-# what each script's record says it ran (run_keeping/record.py), for the arithmetic
+# what each script's record says it ran (run_keeping/keeper.py), for the arithmetic
 CHAIN = {
     "04": dict(precision="bf16-mixed", optimizer="Adam", micro_batches=1, activation_checkpointing=False),
     "11": dict(precision="bf16-true", optimizer="Adam", micro_batches=1, activation_checkpointing=False),
@@ -128,7 +128,7 @@ def run_the_chain(cwd):
 @pytest.fixture
 def chain_at_batch_4(once_per_run):
     """04, 11, 13 and 14 as they are, on ViT-B/16 at 224 with synthetic images, batch 4 (13-14:
-    4 micro-batches of 1), 4 steps, with glibc's thresholds fixed as benchmark_memory's; their
+    4 micro-batches of 1), 4 steps, with glibc's thresholds fixed as benchmarks/runs.py's; their
     records and what the libraries alone hold. Run once for the tests that read it. On a CPU
     without native bfloat16 the chain's bf16 lessons would all run float32 (or, emulated, for
     minutes a step): skipped, saying why."""

@@ -91,7 +91,7 @@ def test_a_failure_in_process_0_alone_stops_every_process_at_once(tmp_path):
     """Point 4: process 0 alone cannot write the model file (its disk is full) and then stays
     alive and silent, as a stopped NCCL peer looks to the others. Process 1 stops within
     seconds, in one line of its own, with process 0's exit code: it learnt of the failure from
-    process 0 (run_keeping/together.py), not from a closed socket, which NCCL would not see."""
+    process 0 (run_keeping/processes.py), not from a closed socket, which NCCL would not see."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SILENT_AFTER_FAILING + FULL_DISK_AT_THE_MODEL_FILE)
