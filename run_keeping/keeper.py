@@ -12,6 +12,7 @@ import io
 import os
 import platform
 import re
+import resource
 import signal
 import socket
 import sys
@@ -252,7 +253,7 @@ def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test
         "train_loss": figures.train_loss, "lr": figures.lr,
         "val_acc": None if c.synthetic else figures.val_acc, "test_acc": None if c.synthetic else test_acc,
         "model_file": str(c.save_model), "compiled": compiled(), "checkpoint_s": figures.checkpoint_s,
-        "run_s": round(time.monotonic() - STARTED, 3),
+        "run_s": round(time.monotonic() - STARTED, 3), "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
         "torch": torch.__version__, "torchvision": version("torchvision"),
         "lightning": version("lightning"), "python": platform.python_version(),
         "hostname": socket.gethostname(), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -23,6 +23,7 @@ import platform
 import re
 import resource
 import sys
+import warnings
 
 import torch
 
@@ -30,6 +31,10 @@ from run_keeping import Stopped, leave, program
 from run_keeping.config import INTERACTIVE, collective_timeout
 
 VOTE_EVERY = 8  # optimizer steps between stop votes; a vote is read a round later (no GPU wait)
+# Lightning warns wherever srun exists but did not start the process (a cluster's login node, a
+# one-process run on a GPU node). config.check_launch refuses the case where that matters (several
+# SLURM tasks started without srun), and the opening line says what did start the run.
+warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
 # How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
 LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|"
                        r"NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*"

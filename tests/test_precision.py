@@ -4,6 +4,7 @@ kernels of a CPU without AVX512-BF16 or AMX; ATen's ATEN_CPU_CAPABILITY=avx2 cha
 vector code alone), and what a script and the tools do where it says no."""
 import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -45,18 +46,24 @@ def test_the_detection_agrees_with_the_speed_and_the_rehearsals(tmp_path):
 @pytest.mark.slow
 def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(smoke_runs, tmp_path):
     """The README's first command on a CPU whose bfloat16 is emulated (rehearsed: oneDNN capped at
-    AVX2): one line naming the CPU and what runs instead, the record saying both, and a run that
-    takes at most twice 03's (the same maths, float32, on the same CPU)."""
-    proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", cwd=tmp_path,
-                      env=script_env(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2"))
+    AVX2): one line naming the CPU and what runs instead, no warning beside it, the record saying
+    both, and a run that takes at most twice 03's (the same maths, float32, on the same CPU)."""
+    bin_dir = tmp_path / "bin"  # an srun on PATH, as a cluster's nodes have: Lightning warns of it
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "srun").chmod(0o755)
+    env = script_env(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2", PATH=f"{bin_dir}:{script_env(tmp_path)['PATH']}")
+    proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the one line says it all: no warning beside it (a warning's line begins with where it was raised)
+    assert not re.search(r"\.py:\d+: ", proc.stdout + proc.stderr), proc.stdout + proc.stderr
     said = [line for line in proc.stdout.splitlines() if "no native bfloat16" in line]
     assert len(said) == 1 and said[0].startswith("This CPU ") and "oneDNN capped at AVX2" in said[0]
     assert "running 32-true instead of bf16-mixed" in said[0]
     record = json.loads((tmp_path / "results" / "runs.jsonl").read_text().splitlines()[-1])
     assert (record["precision"], record["precision_asked"]) == ("32-true", "bf16-mixed")
-    three = smoke_runs("03_fabric-vit.py")
-    assert proc.wall_s <= 2 * three.wall_s and record["run_s"] <= 2 * three.record["run_s"]
+    # start to record, in CPU seconds: the suite runs beside it, and wall time would measure that
+    assert record["cpu_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["cpu_s"]
 
 
 # FSDP2 on 2 CPU processes (06, 07, 10, 15) takes over 2x 03's time whatever the precision: with
@@ -73,16 +80,17 @@ WITHIN_TWICE_03 = ["04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.
 def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs, script):
     """On a CPU without native bfloat16, every script that asks for a bf16 precision ran float32,
     never emulated bfloat16, its record saying what was asked; the one-process lessons and 05
-    finished within twice 03's time (12-14's training loop alone takes longer at this size, with 4
-    micro-batches a step, whatever the precision; the smoke runs are the suite's own, so on such a
-    CPU this costs nothing more)."""
+    finished within twice 03's time, in CPU seconds, which the suite's other work beside them does
+    not change (12-14's training loop alone takes longer at this size, with 4 micro-batches a
+    step, whatever the precision; the smoke runs are the suite's own, so on such a CPU this costs
+    nothing more). Emulated bfloat16 would take several times 03's."""
     if native_bf16():
         pytest.skip("this CPU has native bfloat16, so its bf16 runs are its own; the 04 test above rehearses "
                     "a CPU without (ONEDNN_MAX_CPU_ISA=AVX2)")
     record = smoke_runs(script).record
     assert record["precision"] == "32-true" and record["precision_asked"].startswith("bf16")
-    if script in WITHIN_TWICE_03:  # finished: from the script's start to its record
-        assert record["run_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["run_s"]
+    if script in WITHIN_TWICE_03:  # start to record, in CPU seconds: whatever else runs beside it
+        assert record["cpu_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["cpu_s"]
 
 
 @pytest.mark.parametrize("asked", ["bf16-mixed", "bf16-true"])
