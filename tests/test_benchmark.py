@@ -475,3 +475,26 @@ def test_the_memory_lessons_are_known_with_their_processes():
         benchmark.parse_args(["--talk"])  # only with --memory
     with pytest.raises(SystemExit):
         benchmark.parse_args(["--memory", "--talk", "--memory-models", "ViT-H/14"])  # no script builds it
+
+
+def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
+    """01 is what the others are measured against: a round starts with it only where the next
+    configuration fits in the time left too (the first H200 check ran 01 alone twice, when each
+    of the last two stages had room for one run). Here 01 would fit and 01 with 03 would not:
+    nothing runs, and the stage says what stopped it; with room for both, the plan goes on."""
+    from benchmarks import gpu_check
+    ran, smoke = [], {r["script"]: r for r in read_records(ROOT / "reference" / "benchmark-smoke.jsonl")}
+    monkeypatch.setattr(throughput, "run_configuration",  # the planner under test, not the runs: a smoke record each
+                        lambda script, batch, *a: (ran.append(script[:2]) or smoke[script], 10.0))
+    monkeypatch.setenv("GPU_CHECK_DIR", str(tmp_path))
+    check = gpu_check.Check(benchmark.parse_args(["--gpu-check", "--smoke"]), gpus=0)
+    for script in ("01_pytorch-vit.py", "03_fabric-vit.py"):
+        check.keep((script, 16, "vit_b_16"), 10.0)
+    configurations = gpu_check.runs(["01", "03"])
+    check.deadline = time.monotonic() + 15  # room for one 10 s run, not two
+    state, _, measured = gpu_check.run_throughput(check, "t", "t", configurations, 1, str(tmp_path))
+    assert ran == [] and all(not r["records"] for r in measured.values())
+    assert state.startswith("not run: round 1 stopped before 01@16 and 03@16 beside it, planned at 20 s"), state
+    check.deadline = time.monotonic() + 25
+    state, _, _ = gpu_check.run_throughput(check, "t", "t", configurations, 1, str(tmp_path))
+    assert ran == ["01", "03"], state

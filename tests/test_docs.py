@@ -29,7 +29,6 @@ NOT_MEASURED = {
     "26%", "105 GFLOP", "95%",  # 09's expectation on an H200, not measured
     "30 s",      # SLURM's KillWait default
     "1%",        # 10's tests: its losses within this of a --tensor-parallel 1 run's
-    "12 s", "75 s", "60%", "30%",  # gpu_check's guess for a run no GPU has measured yet (GUESS)
 }
 
 

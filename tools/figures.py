@@ -30,8 +30,8 @@ BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- end of figures -->
 
 def when(records):
     """The machine and the dates of a set of records, as a caption says them."""
-    machines = sorted({r["device_name"].replace("CPU ", "").split(" (")[0] + f" ({r['device_name'].split('(')[-1]}"
-                       for r in records})
+    machines = sorted({r["device_name"].replace("CPU ", "").split(" (")[0]
+                       + (f" ({r['device_name'].split('(')[-1]}" if "(" in r["device_name"] else "") for r in records})
     dates = sorted({r["timestamp"][:10] for r in records})
     span = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
     return f"{' and '.join(machines)}, {span}"
@@ -55,10 +55,10 @@ def changed_lines(a, b):
     return sum(line[:1] in "<>" for line in out.stdout.splitlines())
 
 
-def memory_rows(table, vit=None):
+def memory_rows(table, vit=None, runs="memory-runs.jsonl"):
     from benchmarks import memory
     reference = lessons()
-    records = [r for r in read_records(REFERENCE / "memory-runs.jsonl") if r["memory_table"] == table
+    records = [r for r in read_records(REFERENCE / runs) if r["memory_table"] == table
                and (vit is None or r["model"] == vit)]
     return [memory.row_of(r, r["libraries_gb"], reference) for r in records]
 
@@ -129,13 +129,18 @@ def fast_recipe_smoke():
     return smoke_table(["04", "09"], "09 beside 04")
 
 
-def memory_table(table):
+def memory_table(table, runs="memory-runs.jsonl"):
     from benchmarks import memory
-    rows = memory_rows(table)
+    rows = memory_rows(table, runs=runs)
     records = [r["record"] for r in rows]
-    return (f"Measured on {when(records)}, each run's record in `reference/memory-runs.jsonl`; the libraries "
-            f"held {rows[0]['record']['libraries_gb']:.2f} GB:\n\n"
-            + memory.memory_tables(rows, rows[0]["record"]["libraries_gb"], [], cuda=False).split("\n", 2)[2])
+    cuda = records[0]["accelerator"] == "cuda"
+    libraries = "" if cuda else f"; the libraries held {rows[0]['record']['libraries_gb']:.2f} GB"
+    return (f"Measured on {when(records)}, each run's record in `reference/{runs}`{libraries}:\n\n"
+            + memory.memory_tables(rows, rows[0]["record"]["libraries_gb"], [], cuda=cuda).split("\n", 2)[2])
+
+
+def memory_talk_h200():
+    return memory_table("talk", "memory-talk-h200.jsonl")
 
 
 def memory_talk():
@@ -253,6 +258,87 @@ def no_bf16_smoke():
                         cells)])
 
 
+def gpu_check_h200():
+    """README: what gpu_check.sh measured on the H200, each script beside the 01 run of its own
+    round (the one just before it in its records) and the talk's figures."""
+    reference, cells = lessons(), []
+    checks = [read_records(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
+    for records in checks:
+        paired = {}  # (script, batch): [(its images/s, the images/s of 01 in its round)]
+        last_01 = {}
+        for r in records:
+            if r["script"].startswith("01"):
+                last_01[r["batch_size"]] = r["images_per_s"]
+            paired.setdefault((r["script"], r["batch_size"], r["world_size"], r["peak_memory_gb"] > 0), []).append(
+                (r["images_per_s"], last_01[r["batch_size"]]))
+        for (script, batch, processes, _), pairs in paired.items():
+            if script.startswith("01") and any(c[0] == f"`{script}`" and c[1] == batch for c in cells):
+                continue  # 01 again as a later stage's baseline: the first check's rounds are its figure
+            row = reference[script]
+            ips = [a for a, _ in pairs]
+            vs = [a / b for a, b in pairs]
+            span = lambda v, f: f.format(statistics.median(v)) + (f" ({f.format(min(v))}-{f.format(max(v))})" if len(v) > 1 else "")  # noqa: E731
+            talk_speedup = reference["01_pytorch-vit.py"]["time_min"] / row["time_min"] if row["time_min"] else None
+            peak = max(r["peak_memory_gb"] for r in records if (r["script"], r["batch_size"]) == (script, batch))
+            cells.append([f"`{script}`", batch, next(r["precision"] for r in records if r["script"] == script),
+                          processes, len(pairs), span(ips, "{:.0f}"),
+                          "1.00" if script.startswith("01") else span(vs, "{:.2f}"), f"{peak:.2f}",
+                          f"{talk_speedup:.2f} ({row['devices'] or 1} GPU{'s' if (row['devices'] or 1) > 1 else ''})"
+                          if talk_speedup and batch == 16 else "—",
+                          f"{row['memory_gb']:.2f}" if row["memory_gb"] and batch == 16 else "—"])
+    order = ["01", "02", "03", "04", "05", "06", "07"]
+    cells.sort(key=lambda c: (c[1], order.index(c[0][1:3])))
+    records = [r for rs in checks for r in rs]
+    first = records[0]
+    return "\n".join([
+        f"Measured on {when(records)} (torch {first['torch']}, Lightning {first['lightning']}; "
+        "`reference/gpu-check-h200-1.md` and `-2.md`): ViT-B/16 at 224 on "
+        "synthetic images from random init, 40 steps a run (3 untimed), each ratio against the 01 run of "
+        "its own round; rounds in brackets. Throughput, not accuracy: no CIFAR-10 there.", "",
+        *markdown_table(["script", "batch", "precision", "processes", "rounds", "images/s", "vs 01",
+                         "peak GB", "talk: speedup", "talk: GB"], cells)])
+
+
+def gpu_check_findings():
+    """docs/benchmarks.md: what the first checks on the H200 took and showed, from their records
+    and reports: their minutes, a run's own cost, 02's first compile, MFU by precision and batch."""
+    from benchmarks import peaks
+    checks = [read_records(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
+    used = [re.search(r"Time: ([\d.]+) of the (\d+) min", (REFERENCE / f"gpu-check-h200-{n}.md").read_text()).groups()
+            for n in (1, 2)]
+    records = [r for rs in checks for r in rs]
+    own = []  # seconds between two records less the later run's training: a process's own cost
+    for rs in [*checks, read_records(REFERENCE / "memory-talk-h200.jsonl")]:
+        for before, r in zip(rs, rs[1:]):
+            if not r.get("compiled"):
+                own.append((datetime.fromisoformat(r["timestamp"]) - datetime.fromisoformat(before["timestamp"]))
+                           .total_seconds() - r["train_time_s"])
+    second = checks[1]
+    compiled = next(r for r in second if r["script"].startswith("02"))
+    plain = next(r for r in second if r["script"].startswith("01"))
+    flops = peaks.flops_per_image(smoke=False)
+
+    def mfu(script, batch):
+        rates = [r["images_per_s"] for r in checks[0] if r["script"].startswith(script) and r["batch_size"] == batch]
+        record = next(r for r in checks[0] if r["script"].startswith(script) and r["batch_size"] == batch)
+        peak = peaks.peak_tflops(record["device_name"], record["precision"], {})
+        return statistics.median(rates) * flops / (peak * 1e12), batch / statistics.median(rates)
+    (m01, _), (m01b, _), (m04, step04), (m04b, step04b) = mfu("01", 16), mfu("01", 128), mfu("04", 16), mfu("04", 128)
+    return "\n".join([
+        f"- Time: {used[0][0]} and {used[1][0]} of their {used[0][1]} min; no configuration failed.",
+        f"- A run's own cost beside its steps (the time between two records less the later run's "
+        f"training: imports, CUDA's set-up, the model, its checkpoint and model file): "
+        f"{min(own):.0f}-{max(own):.0f} s, {statistics.median(own):.0f} s in the median. The plan's guess "
+        "(above) is fitted to it.",
+        f"- 02's first compile: {compiled['train_time_s'] - plain['train_time_s']:.0f} s (its training "
+        "time less 01's in the same round).",
+        f"- MFU: 01 (float32) {m01:.1%} of FP32's dense peak at batch 16, {m01b:.1%} at 128; 04 "
+        f"(bf16-mixed) {m04:.1%} of BF16's at batch 16, {m04b:.1%} at 128. 04's step takes "
+        f"{step04 * 1000:.0f} ms at batch 16 and {step04b * 1000:.0f} ms at 128, 8 times the images: at the "
+        "talk's batch the GPU mostly waits for the host to launch its kernels, and bf16's speedup shows at "
+        "the larger batch."])
+
+
 def gpu_check_plan():
     """docs/benchmarks.md: gpu_check.sh's stages and the minutes each is guessed at on one H200."""
     import benchmark
@@ -262,11 +348,17 @@ def gpu_check_plan():
     for number, (name, runs, minutes) in enumerate(rows, 1):
         total += minutes
         cells.append([f"{number}. {name}", runs, f"{minutes:.1f}", f"{total:.1f}"])
-    return "\n".join(markdown_table(["stage", "runs", "guessed minutes on one H200", "guessed minutes so far"], cells))
+    guess = gpu_check.GUESS
+    return "\n".join([
+        f"The guess: {guess['process_s']:.0f} s for a run's own cost, a first compile (02, 09) "
+        f"{gpu_check.COMPILE_S['full']:.0f} s, and each step at {guess['share']['fp32']:.0%} (float32) or "
+        f"{guess['share']['bf16']:.0%} (bfloat16) of the H200's dense peak, never under "
+        f"{guess['floor_s'] * 1000:.0f} ms (`benchmarks/gpu_check.py`, fitted to `reference/gpu-check-h200-*.jsonl`).",
+        "", *markdown_table(["stage", "runs", "guessed minutes on one H200", "guessed minutes so far"], cells)])
 
 
-BLOCKS = {"gpu-check-plan": gpu_check_plan, "no-bf16-smoke": no_bf16_smoke, "scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
-          "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-sequel": memory_sequel,
+BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "gpu-check-findings": gpu_check_findings, "no-bf16-smoke": no_bf16_smoke, "scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
+          "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-talk-h200": memory_talk_h200, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
           "throughput-smoke-repeats": throughput_smoke_repeats,
           "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
