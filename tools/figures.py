@@ -272,7 +272,7 @@ def gpu_check_h200():
             paired.setdefault((r["script"], r["batch_size"], r["world_size"], r["peak_memory_gb"] > 0), []).append(
                 (r["images_per_s"], last_01[r["batch_size"]]))
         for (script, batch, processes, _), pairs in paired.items():
-            if script.startswith("01") and any(c[0] == f"`{script}`" and c[1] == batch for c in cells):
+            if script.startswith("01") and any(c[0].startswith("01") and c[1] == batch for c in cells):
                 continue  # 01 again as a later stage's baseline: the first check's rounds are its figure
             row = reference[script]
             ips = [a for a, _ in pairs]
@@ -280,14 +280,14 @@ def gpu_check_h200():
             span = lambda v, f: f.format(statistics.median(v)) + (f" ({f.format(min(v))}-{f.format(max(v))})" if len(v) > 1 else "")  # noqa: E731
             talk_speedup = reference["01_pytorch-vit.py"]["time_min"] / row["time_min"] if row["time_min"] else None
             peak = max(r["peak_memory_gb"] for r in records if (r["script"], r["batch_size"]) == (script, batch))
-            cells.append([f"`{script}`", batch, next(r["precision"] for r in records if r["script"] == script),
+            cells.append([f"{script[:2]} {row['technique'].split(',')[0]}", batch, next(r["precision"] for r in records if r["script"] == script),
                           processes, len(pairs), span(ips, "{:.0f}"),
                           "1.00" if script.startswith("01") else span(vs, "{:.2f}"), f"{peak:.2f}",
                           f"{talk_speedup:.2f} ({row['devices'] or 1} GPU{'s' if (row['devices'] or 1) > 1 else ''})"
                           if talk_speedup and batch == 16 else "—",
                           f"{row['memory_gb']:.2f}" if row["memory_gb"] and batch == 16 else "—"])
     order = ["01", "02", "03", "04", "05", "06", "07"]
-    cells.sort(key=lambda c: (c[1], order.index(c[0][1:3])))
+    cells.sort(key=lambda c: (c[1], order.index(c[0][:2])))
     records = [r for rs in checks for r in rs]
     first = records[0]
     return "\n".join([
