@@ -234,18 +234,14 @@ def epochs():
 
 def no_bf16_smoke():
     """docs/smoke.md: the bf16 lessons' smoke runs on a CPU rehearsed without native bfloat16, each
-    beside 03's, and what bfloat16 costs there against float32."""
-    records = read_records(REFERENCE / "no-bf16-smoke-runs.jsonl")
+    beside 03's, and what bfloat16 costs there against float32; then the same on a CPU that has
+    no bfloat16 units (AVX2 alone)."""
     probes = read_records(REFERENCE / "bf16-probe.jsonl")
-    three = next(r for r in records if r["script"].startswith("03"))
     capped = next(p for p in probes if p["onednn_max_cpu_isa"])
-    free = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["aten_cpu_capability"])
-    native = {r["script"]: r for r in read_records(REFERENCE / "bf16-native-smoke-runs.jsonl")}
-    base = native.get(three["script"])
-    cells = [[r["script"], r["precision_asked"], r["precision"], f"{r['run_s']:.1f}", f"{r['run_s'] / three['run_s']:.2f}",
-              f"{r['train_time_s']:.1f}", f"{r['test_acc'] * 100:.2f}",
-              f"{native[r['script']]['run_s'] / base['run_s']:.2f}" if r["script"] in native and base else "-"]
-             for r in records]
+    free = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["aten_cpu_capability"] and p["native"])
+    real = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["native"])
+    records = read_records(REFERENCE / "no-bf16-smoke-runs.jsonl")
+    avx2 = read_records(REFERENCE / "no-bf16-smoke-runs-avx2.jsonl")
     return "\n".join([
         f"Measured on {when(records)} (`reference/no-bf16-smoke-runs.jsonl`; the products: "
         "`reference/bf16-probe.jsonl`, `python tools/bf16_probe.py`):", "",
@@ -253,9 +249,28 @@ def no_bf16_smoke():
         f"{capped['bf16_gflops']:.1f} GFLOP/s against float32's {capped['fp32_gflops']:.1f}, "
         f"{capped['fp32_gflops'] / capped['bf16_gflops']:.0f} times slower; without the cap, "
         f"{free['bf16_gflops']:.1f} against {free['fp32_gflops']:.1f};", "",
-        *markdown_table(["script", "asks", "ran", "seconds, start to record", "against 03's", "training s",
-                         "test accuracy %", "bfloat16 native: against 03's (`reference/bf16-native-smoke-runs.jsonl`)"],
-                        cells)])
+        *no_bf16_table(records, read_records(REFERENCE / "bf16-native-smoke-runs.jsonl")), "",
+        f"And on {when(avx2)}, whose torch runs its `{real['capability']}` code and whose oneDNN has no "
+        f"bfloat16 kernels (`reference/no-bf16-smoke-runs-avx2.jsonl`): the same product, bfloat16 "
+        f"{real['bf16_gflops']:.1f} GFLOP/s against float32's {real['fp32_gflops']:.1f}, "
+        f"{real['fp32_gflops'] / real['bf16_gflops']:.0f} times slower:", "",
+        *no_bf16_table(avx2, [])])
+
+
+def no_bf16_table(records, native_records):
+    """Each run beside 03's: what it asked, what ran, its seconds and accuracy (and, where given,
+    the same script's against 03's where bfloat16 is native)."""
+    three = next(r for r in records if r["script"].startswith("03"))
+    native = {r["script"]: r for r in native_records}
+    base = native.get(three["script"])
+    cells = [[r["script"], r["precision_asked"], r["precision"], f"{r['run_s']:.1f}", f"{r['run_s'] / three['run_s']:.2f}",
+              f"{r['train_time_s']:.1f}", f"{r['test_acc'] * 100:.2f}",
+              *([f"{native[r['script']]['run_s'] / base['run_s']:.2f}" if r["script"] in native and base else "-"]
+                if native else [])]
+             for r in records]
+    return markdown_table(["script", "asks", "ran", "seconds, start to record", "against 03's", "training s",
+                           "test accuracy %", *(["bfloat16 native: against 03's (`reference/bf16-native-smoke-runs.jsonl`)"]
+                                                if native else [])], cells)
 
 
 def gpu_check_h200():
