@@ -182,17 +182,19 @@ def throughput_smoke_repeats():
 
 def suite_time():
     """How long the tests take, as measured on a clean clone: the newest day's runs, each with its
-    commit, those with oneDNN capped at AVX2 (a CPU without native bfloat16, rehearsed) said so."""
+    commit and machine, those with oneDNN capped at AVX2 (a CPU without native bfloat16,
+    rehearsed) said so."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
     newest = max(r["timestamp"][:10] for r in runs)
     full = [r for r in runs if r["tier"] == "all" and r["timestamp"][:10] == newest]
     quick = [r for r in runs if r["tier"] == "quick" and r["timestamp"][:10] == newest]
     minutes = lambda s: f"{int(s // 60)} min {int(round(s % 60))} s"  # noqa: E731
-    said = [f"{r['tests']} tests in {minutes(r['seconds'])} (at {r['commit']}"
+    machine = lambda r: when([r]).rsplit(", ", 1)[0].replace(")", f", {r['capability']} alone)" if r.get("capability") else ")")  # noqa: E731
+    said = [f"{r['tests']} tests in {minutes(r['seconds'])} (at {r['commit']}, {machine(r)}"
             + (", oneDNN capped at AVX2: no native bfloat16" if r.get("onednn_max_cpu_isa") else "") + ")"
             for r in full]
-    quick_times = " and ".join(f"{r['seconds']:.0f} s" for r in quick)
-    return (f"{'; '.join(said)} on {when(full)}, each from a clean clone with torch.compile's cache empty; "
+    quick_times = " and ".join(f"{r['seconds']:.0f} s ({machine(r)})" for r in quick)
+    return (f"{'; '.join(said)}, {newest}, each from a clean clone with torch.compile's cache empty; "
             f"the quick tier, {quick[-1]['tests']} tests, in {quick_times}.")
 
 
