@@ -297,12 +297,12 @@ def gpu_check_h200():
             span = lambda v, f: f.format(statistics.median(v)) + (f" ({f.format(min(v))}-{f.format(max(v))})" if len(v) > 1 else "")  # noqa: E731
             talk_speedup = reference["01_pytorch-vit.py"]["time_min"] / row["time_min"] if row["time_min"] else None
             peak = max(r["peak_memory_gb"] for r in records if (r["script"], r["batch_size"]) == (script, batch))
+            on = f" ({row['devices']} GPUs)" if (row["devices"] or 1) != processes else ""  # not like with like
             cells.append([f"{script[:2]} {row['technique'].split(',')[0]}", batch, next(r["precision"] for r in records if r["script"] == script),
                           processes, len(pairs), span(ips, "{:.0f}"),
                           "1.00" if script.startswith("01") else span(vs, "{:.2f}"), f"{peak:.2f}",
-                          f"{talk_speedup:.2f} ({row['devices'] or 1} GPU{'s' if (row['devices'] or 1) > 1 else ''})"
-                          if talk_speedup and batch == 16 else "—",
-                          f"{row['memory_gb']:.2f}" if row["memory_gb"] and batch == 16 else "—"])
+                          f"{talk_speedup:.2f}{on}" if talk_speedup and batch == 16 else "—",
+                          f"{row['memory_gb']:.2f}{on}" if row["memory_gb"] and batch == 16 else "—"])
     order = ["01", "02", "03", "04", "05", "06", "07"]
     cells.sort(key=lambda c: (c[1], order.index(c[0][:2])))
     records = [r for rs in checks for r in rs]
