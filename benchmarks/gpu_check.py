@@ -38,8 +38,8 @@ from run_keeping.files import write_report
 # imports, set-up, steps and checkpoint write (about 9 s on a 2-core CPU); a first compile adds
 # COMPILE_S (02 at smoke size: about 50 s). On a GPU a run is planned by GUESS until one like it
 # has run in this check, fitted to the first checks on an H200 (reference/gpu-check-h200-*.jsonl):
-# a process's own cost (imports, CUDA's set-up, the model, its checkpoint and model file: 17-19 s
-# of wall time beside its steps), each step at a share of the dense peak for the script's
+# a process's own cost (imports, CUDA's set-up, the model, its checkpoint and model file: 13-24 s
+# of wall time beside its steps, 18 s in the median), each step at a share of the dense peak for the script's
 # precision (01: 46-59% of FP32's; 04 at batch 128: 22% of BF16's), never under the floor of an
 # eager ViT-B/16 step's kernel launches (04 at batch 16: 35 ms a step, 5% of the peak), and a
 # first compile (02's: 38 s; 09's, at batch 128, not yet measured on a GPU).

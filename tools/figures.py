@@ -161,6 +161,16 @@ def throughput_smoke():
     return (REFERENCE / "benchmark-smoke.md").read_text().strip()
 
 
+def throughput_rows(records, flops):
+    """benchmark.py's rows made again from a run's records, in their order (a configuration's
+    rounds, each against the 01 of its round, as the run measured them)."""
+    from benchmarks import throughput
+    measured = throughput.new_measurement(dict.fromkeys((r["script"], r["batch_size"]) for r in records))
+    for record in records:
+        measured[(record["script"], record["batch_size"])]["records"].append(record)
+    return throughput.rows_of(measured, flops, argparse.Namespace(peak_tflops=None))
+
+
 def throughput_smoke_repeats():
     """docs/benchmarks.md: the ranking of benchmark.py --smoke's runs one after another (the three
     in reference/benchmark-smoke-runs/, then the one above), each made again from its records."""
@@ -170,10 +180,7 @@ def throughput_smoke_repeats():
     lines = []
     for path in runs:
         records = read_records(path)
-        measured = throughput.new_measurement(dict.fromkeys((r["script"], r["batch_size"]) for r in records))
-        for record in records:
-            measured[(record["script"], record["batch_size"])]["records"].append(record)
-        rows = throughput.rows_of(measured, 0.0, argparse.Namespace(peak_tflops=None))
+        rows = throughput_rows(records, 0.0)
         first = min(r["timestamp"] for r in records)
         lines.append(f"- {first[:10]} {first[11:16]} UTC: {throughput.ranking(rows)[1]}")
     return (f"`python benchmark.py --smoke`, {len(runs)} runs on the idle {when(read_records(runs[-1]))}, "
@@ -275,40 +282,35 @@ def no_bf16_table(records, native_records):
                                                 if native else [])], cells)
 
 
-def gpu_check_h200():
-    """README: what gpu_check.sh measured on the H200, each script beside the 01 run of its own
-    round (the one just before it in its records) and the talk's figures."""
-    reference, cells = lessons(), []
+def h200_rows():
+    """The rows of the two checks on the H200 (their records in reference/), with MFU."""
+    from benchmarks import peaks
     checks = [read_records(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
-    for records in checks:
-        paired = {}  # (script, batch): [(its images/s, the images/s of 01 in its round)]
-        last_01 = {}
-        for r in records:
-            if r["script"].startswith("01"):
-                last_01[r["batch_size"]] = r["images_per_s"]
-            paired.setdefault((r["script"], r["batch_size"], r["world_size"], r["peak_memory_gb"] > 0), []).append(
-                (r["images_per_s"], last_01[r["batch_size"]]))
-        for (script, batch, processes, _), pairs in paired.items():
-            if script.startswith("01") and any(c[0].startswith("01") and c[1] == batch for c in cells):
-                continue  # 01 again as a later stage's baseline: the first check's rounds are its figure
-            row = reference[script]
-            ips = [a for a, _ in pairs]
-            vs = [a / b for a, b in pairs]
-            span = lambda v, f: f.format(statistics.median(v)) + (f" ({f.format(min(v))}-{f.format(max(v))})" if len(v) > 1 else "")  # noqa: E731
-            talk_speedup = reference["01_pytorch-vit.py"]["time_min"] / row["time_min"] if row["time_min"] else None
-            peak = max(r["peak_memory_gb"] for r in records if (r["script"], r["batch_size"]) == (script, batch))
-            on = f" ({row['devices']} GPUs)" if (row["devices"] or 1) != processes else ""  # not like with like
-            cells.append([f"{script[:2]} {row['technique'].split(',')[0]}", batch, next(r["precision"] for r in records if r["script"] == script),
-                          processes, len(pairs), span(ips, "{:.0f}"),
-                          "1.00" if script.startswith("01") else span(vs, "{:.2f}"), f"{peak:.2f}",
-                          f"{talk_speedup:.2f}{on}" if talk_speedup and batch == 16 else "—",
-                          f"{row['memory_gb']:.2f}{on}" if row["memory_gb"] and batch == 16 else "—"])
-    order = ["01", "02", "03", "04", "05", "06", "07"]
-    cells.sort(key=lambda c: (c[1], order.index(c[0][:2])))
-    records = [r for rs in checks for r in rs]
-    first = records[0]
+    return checks, [throughput_rows(records, peaks.flops_per_image(smoke=False)) for records in checks]
+
+
+def gpu_check_h200():
+    """README: what gpu_check.sh measured on the H200, each script against the 01 run of its own
+    round, beside the talk's figures (marked with its GPUs where our run had fewer processes)."""
+    from benchmarks.throughput import ratio
+    reference, cells = lessons(), []
+    checks, rows = h200_rows()
+    for row in (r for check in rows for r in check):
+        script, batch = row["script"], row["batch"]
+        if script.startswith("01") and any(c[0].startswith("01") and c[1] == batch for c in cells):
+            continue  # 01 again as the second check's baseline: the first check's rounds are its figure
+        talk = reference[script]
+        talk_speedup = reference["01_pytorch-vit.py"]["time_min"] / talk["time_min"] if talk["time_min"] else None
+        on = f" ({talk['devices']} GPUs)" if (talk["devices"] or 1) != row["devices"] else ""  # not like with like
+        cells.append([f"{script[:2]} {talk['technique'].split(',')[0]}", batch, row["precision"], row["devices"],
+                      row["n"], ratio(row["images_per_s"], "{:.0f}"),
+                      "1.00" if script.startswith("01") else ratio(row["vs_01"]), f"{row['memory_gb']:.2f}",
+                      f"{talk_speedup:.2f}{on}" if talk_speedup and batch == 16 else "—",
+                      f"{talk['memory_gb']:.2f}{on}" if talk["memory_gb"] and batch == 16 else "—"])
+    cells.sort(key=lambda c: (c[1], c[0][:2]))
+    records = [r for check in checks for r in check]
     return "\n".join([
-        f"Measured on {when(records)} (torch {first['torch']}, Lightning {first['lightning']}; "
+        f"Measured on {when(records)} (torch {records[0]['torch']}, Lightning {records[0]['lightning']}; "
         "`reference/gpu-check-h200-1.md` and `-2.md`): ViT-B/16 at 224 on "
         "synthetic images from random init, 40 steps a run (3 untimed), each ratio against the 01 run of "
         "its own round; rounds in brackets. Throughput, not accuracy: no CIFAR-10 there.", "",
@@ -319,30 +321,25 @@ def gpu_check_h200():
 def gpu_check_findings():
     """docs/benchmarks.md: what the first checks on the H200 took and showed, from their records
     and reports: their minutes, a run's own cost, 02's first compile, MFU by precision and batch."""
-    from benchmarks import peaks
-    checks = [read_records(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
+    checks, rows = h200_rows()
     used = [re.search(r"Time: ([\d.]+) of the (\d+) min", (REFERENCE / f"gpu-check-h200-{n}.md").read_text()).groups()
             for n in (1, 2)]
-    records = [r for rs in checks for r in rs]
     own = []  # seconds between two records less the later run's training: a process's own cost
     for rs in [*checks, read_records(REFERENCE / "memory-talk-h200.jsonl")]:
         for before, r in zip(rs, rs[1:]):
             if not r.get("compiled"):
                 own.append((datetime.fromisoformat(r["timestamp"]) - datetime.fromisoformat(before["timestamp"]))
                            .total_seconds() - r["train_time_s"])
-    second = checks[1]
-    compiled = next(r for r in second if r["script"].startswith("02"))
-    plain = next(r for r in second if r["script"].startswith("01"))
-    flops = peaks.flops_per_image(smoke=False)
-
-    def mfu(script, batch):
-        rates = [r["images_per_s"] for r in checks[0] if r["script"].startswith(script) and r["batch_size"] == batch]
-        record = next(r for r in checks[0] if r["script"].startswith(script) and r["batch_size"] == batch)
-        peak = peaks.peak_tflops(record["device_name"], record["precision"], {})
-        return statistics.median(rates) * flops / (peak * 1e12), batch / statistics.median(rates)
-    (m01, _), (m01b, _), (m04, step04), (m04b, step04b) = mfu("01", 16), mfu("01", 128), mfu("04", 16), mfu("04", 128)
+    compiled = next(r for r in checks[1] if r["script"].startswith("02"))
+    plain = next(r for r in checks[1] if r["script"].startswith("01"))
+    first = {(r["script"][:2], r["batch"]): r for r in rows[0]}
+    failed = sum(1 for check in rows for r in check if r["failed"])
+    (m01, _), (m01b, _), (m04, step04), (m04b, step04b) = [
+        (first[key]["mfu"], key[1] / first[key]["images_per_s"][0]) for key in
+        (("01", 16), ("01", 128), ("04", 16), ("04", 128))]
     return "\n".join([
-        f"- Time: {used[0][0]} and {used[1][0]} of their {used[0][1]} min; no configuration failed.",
+        f"- Time: {used[0][0]} and {used[1][0]} of their {used[0][1]} min; "
+        + (f"{failed} configuration(s) failed." if failed else "no configuration failed."),
         f"- A run's own cost beside its steps (the time between two records less the later run's "
         f"training: imports, CUDA's set-up, the model, its checkpoint and model file): "
         f"{min(own):.0f}-{max(own):.0f} s, {statistics.median(own):.0f} s in the median. The plan's guess "
