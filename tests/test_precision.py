@@ -62,10 +62,21 @@ def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(s
     assert "running 32-true instead of bf16-mixed" in said[0]
     record = json.loads((tmp_path / "results" / "runs.jsonl").read_text().splitlines()[-1])
     assert (record["precision"], record["precision_asked"]) == ("32-true", "bf16-mixed")
-    # start to record, in CPU seconds: the suite runs beside it, and wall time would measure that
+    # start to record, in CPU seconds: the suite runs beside it, and wall time would measure that;
+    # 04 alone takes 0.96 times 03's, so even the drift between two runs (EMULATION_GUARD) keeps it
+    # under twice
     assert record["cpu_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["cpu_s"]
 
 
+# Within the suite, one run's CPU seconds against another's measure the machine as much as the
+# script: the two runs happen minutes apart, each beside whatever test the other worker runs, and
+# on a 2-core VM the same --smoke run has taken 1.9 times the CPU seconds in one suite run that it
+# took in another an hour earlier (14: 15.0 and 28.7 s; 03: 9.6 and 10.8). The scripts' own ratios
+# to 03 without bfloat16, measured alone (reference/no-bf16-smoke-runs-avx2.jsonl, docs/smoke.md),
+# are 0.68-1.73 for the one-process lessons and 05: the 2x of 03 those runs show. Emulated bfloat16
+# is at least 5 times 03 (04: 103 s against 19). So the suite's guard is what separates the two
+# whatever the drift: under 4 times 03's (1.73 x 1.9 = 3.3 below it, 5 above it).
+EMULATION_GUARD = 4.0
 # FSDP2 on 2 CPU processes (06, 07, 10, 15) takes over 2x 03's time whatever the precision: with
 # native bfloat16 here 06's smoke run took 3.1x 03's (its two processes start one after the
 # other, and FSDP2 gathers each block over gloo twice a step); their bound is the float32 run itself.
@@ -80,17 +91,17 @@ WITHIN_TWICE_03 = ["04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.
 def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs, script):
     """On a CPU without native bfloat16, every script that asks for a bf16 precision ran float32,
     never emulated bfloat16, its record saying what was asked; the one-process lessons and 05
-    finished within twice 03's time, in CPU seconds, which the suite's other work beside them does
-    not change (12-14's training loop alone takes longer at this size, with 4 micro-batches a
-    step, whatever the precision; the smoke runs are the suite's own, so on such a CPU this costs
-    nothing more). Emulated bfloat16 would take several times 03's."""
+    well under emulation's time, in CPU seconds (EMULATION_GUARD: their 2x of 03 is measured
+    alone, in reference/; 12-14's training loop alone takes longer at this size, with 4
+    micro-batches a step, whatever the precision; the smoke runs are the suite's own, so on such a
+    CPU this costs nothing more)."""
     if native_bf16():
         pytest.skip("this CPU has native bfloat16, so its bf16 runs are its own; the 04 test above rehearses "
                     "a CPU without (ONEDNN_MAX_CPU_ISA=AVX2)")
     record = smoke_runs(script).record
     assert record["precision"] == "32-true" and record["precision_asked"].startswith("bf16")
     if script in WITHIN_TWICE_03:  # start to record, in CPU seconds: whatever else runs beside it
-        assert record["cpu_s"] <= 2 * smoke_runs("03_fabric-vit.py").record["cpu_s"]
+        assert record["cpu_s"] <= EMULATION_GUARD * smoke_runs("03_fabric-vit.py").record["cpu_s"]
 
 
 @pytest.mark.parametrize("asked", ["bf16-mixed", "bf16-true"])

@@ -228,7 +228,8 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     """Ctrl-C while the libraries load, while the run is set up, in training and in its last
     evaluation: one line each, exit 130, no traceback, and nothing written unless a checkpoint
     of where it was. While the finished run writes its record and after it has ended: the model
-    and record written, the checkpoints gone, one line saying so, exit 130."""
+    and record written, the checkpoints gone, one line saying so, exit 130. (The runs that get as
+    far as training train 10 steps an epoch: each moment comes as in a whole run, sooner.)"""
     moments = {"loading": 0.3, "importing": 1.5}
     procs = {}
     for moment, delay in moments.items():
@@ -246,10 +247,12 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
         lines = [line for line in out.splitlines() if "interrupted" in line]
         assert len(lines) == 1 and "01_pytorch-vit.py: interrupted (SIGINT)" in lines[0], (moment, out[-2000:])
         assert not (folder / "results").exists() and not (folder / "models").exists()
-    for moment, step in (("training", 30), ("evaluation", 148)):  # 148: the last step, then the test set
+    short = ["--max-steps", "10"]  # 2 epochs of 10 steps
+    for moment, step in (("training", 5), ("evaluation", 20)):  # 20: the last step, then the test set
         folder = tmp_path / moment
         folder.mkdir()
-        proc = run_script("01_pytorch-vit.py", "--smoke", cwd=folder, env=signalled_at_step(folder, step, "SIGINT"))
+        proc = run_script("01_pytorch-vit.py", "--smoke", *short, cwd=folder,
+                          env=signalled_at_step(folder, step, "SIGINT"))
         out = proc.stdout + proc.stderr
         assert proc.returncode == 130 and "Traceback" not in out, (moment, out[-2000:])
         assert len([line for line in out.splitlines() if "interrupted (SIGINT)" in line]) == 1, out[-2000:]
@@ -262,15 +265,16 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     for moment in ("record", "shutdown"):
         folder = tmp_path / moment
         folder.mkdir()
-        proc = run_script("01_pytorch-vit.py", "--smoke", cwd=folder,
+        proc = run_script("01_pytorch-vit.py", "--smoke", *short, cwd=folder,
                           env=script_env(folder, PYTHONPATH=str(site), SIGNAL_WHEN=moment))
         out = proc.stdout + proc.stderr
         assert proc.returncode == 130 and "Traceback" not in out, (moment, out[-2000:])
         lines = [line for line in out.splitlines() if "interrupted (SIGINT)" in line]
         assert lines == ["01_pytorch-vit.py: interrupted (SIGINT) after the run finished: its record is in "
-                         "results/runs.jsonl and its model in models/01_pytorch-vit-smoke.pt."], (moment, out[-2000:])
+                         "results/runs.jsonl and its model in models/01_pytorch-vit-smoke-max-steps10.pt."], \
+            (moment, out[-2000:])
         assert len(read_records(folder / "results" / "runs.jsonl")) == 1
-        assert (folder / "models" / "01_pytorch-vit-smoke.pt").exists() and not (folder / "checkpoints").exists()
+        assert (folder / "models" / "01_pytorch-vit-smoke-max-steps10.pt").exists() and not (folder / "checkpoints").exists()
 
 
 NAN_AT_THIRD_STEP = """

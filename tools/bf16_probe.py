@@ -4,6 +4,7 @@ ONEDNN_MAX_CPU_ISA=AVX2 to see a CPU without AVX512-BF16 or AMX, on any CPU.
 
     python tools/bf16_probe.py          # {"native": true, "bf16_gflops": ..., "fp32_gflops": ...}
 """
+import argparse
 import json
 import os
 import sys
@@ -30,6 +31,8 @@ def gflops(dtype, seconds=0.3):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     print(json.dumps({"native": native_bf16("cpu"), "bf16_gflops": round(gflops(torch.bfloat16), 2),
                       "fp32_gflops": round(gflops(torch.float32), 2), "size": SIZE,
