@@ -187,22 +187,47 @@ def throughput_smoke_repeats():
             "ranked from fastest to slowest:\n\n" + "\n".join(lines))
 
 
-def suite_time():
-    """How long the tests take, as measured on a clean clone: the newest day's runs, each with its
-    commit and machine, those with oneDNN capped at AVX2 (a CPU without native bfloat16,
-    rehearsed) said so."""
+def test_machine(r):
+    """The commit and the machine a run of the tests ran on, and how fast it was then where that was
+    measured: how long a fresh interpreter took to import torch, torchvision and Lightning, as every
+    test process does."""
+    machine = when([r]).rsplit(", ", 1)[0].replace(")", f", {r['capability']} alone)" if r.get("capability") else ")")
+    speed = f", where a process's imports took {r['import_s']:.1f} s then" if r.get("import_s") else ""
+    capped = ", oneDNN capped at AVX2: no native bfloat16" if r.get("onednn_max_cpu_isa") else ""
+    return f"at {r['commit']}, {machine}{speed}{capped}"
+
+
+def suite_run(r):
+    """One run of the whole suite as a sentence says it: how many tests, how long, what ran it."""
+    minutes = f"{int(r['seconds'] // 60)} min {int(round(r['seconds'] % 60))} s"
+    outcome = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped") if r.get(k))
+    return f"{r['tests']} tests in {minutes} ({outcome + '; ' if outcome else ''}{test_machine(r)})"
+
+
+def suite_runs():
+    """The newest day's runs of the whole suite and of its quick tier."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
     newest = max(r["timestamp"][:10] for r in runs)
-    full = [r for r in runs if r["tier"] == "all" and r["timestamp"][:10] == newest]
-    quick = [r for r in runs if r["tier"] == "quick" and r["timestamp"][:10] == newest]
-    minutes = lambda s: f"{int(s // 60)} min {int(round(s % 60))} s"  # noqa: E731
-    machine = lambda r: when([r]).rsplit(", ", 1)[0].replace(")", f", {r['capability']} alone)" if r.get("capability") else ")")  # noqa: E731
-    said = [f"{r['tests']} tests in {minutes(r['seconds'])} (at {r['commit']}, {machine(r)}"
-            + (", oneDNN capped at AVX2: no native bfloat16" if r.get("onednn_max_cpu_isa") else "") + ")"
-            for r in full]
-    quick_times = " and ".join(f"{r['seconds']:.0f} s ({machine(r)})" for r in quick)
-    return (f"{'; '.join(said)}, {newest}, each from a clean clone with torch.compile's cache empty; "
-            f"the quick tier, {quick[-1]['tests']} tests, in {quick_times}.")
+    day = [r for r in runs if r["timestamp"][:10] == newest]
+    return newest, [r for r in day if r["tier"] == "all"], [r for r in day if r["tier"] == "quick"]
+
+
+def suite_time():
+    """docs/tests.md: how long the tests took, as measured from clean clones: the newest day's runs,
+    each with its commit, its outcome, its machine and how it was run where that differs."""
+    newest, full, quick = suite_runs()
+    said = [suite_run(r) + (f": {r['note']}" if r.get("note") else "") for r in full]
+    quick_times = "; ".join(f"{r['seconds']:.0f} s ({test_machine(r)})" for r in quick)
+    return "\n".join([f"From clean clones with torch.compile's cache empty ({newest}, "
+                      "`reference/test-suite-runs.jsonl`):", "", *[f"- {line}" for line in said],
+                      f"- the quick tier, {quick[-1]['tests']} tests: {quick_times}"])
+
+
+def suite_time_newest():
+    """The README: the newest run of the whole suite and of the quick tier, in one line."""
+    newest, full, quick = suite_runs()
+    return (f"{suite_run(full[-1])}, {newest}, from a clean clone with torch.compile's cache empty; the quick "
+            f"tier in {quick[-1]['seconds']:.0f} s. [docs/tests.md](docs/tests.md) has every run and why they differ.")
 
 
 def smoke_weights():
@@ -375,7 +400,7 @@ BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "g
           "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-talk-h200": memory_talk_h200, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
           "throughput-smoke-repeats": throughput_smoke_repeats,
-          "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
+          "suite-time": suite_time, "suite-time-newest": suite_time_newest, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
 
 
 def rewritten(text):
