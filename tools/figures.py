@@ -223,6 +223,19 @@ def suite_time():
                       f"- the quick tier, {quick[-1]['tests']} tests: {quick_times}"])
 
 
+def suite_cpu():
+    """docs/tests.md: where one run's CPU time went, by the script or tool each process ran."""
+    run = json.loads((REFERENCE / "test-suite-cpu.json").read_text())
+    rows, total = run["rows"], sum(r["cpu_s"] for r in run["rows"])
+    top, rest = rows[:10], rows[10:]
+    cells = [[r["what"], str(r["processes"]), f"{r['cpu_s']:.0f}", f"{100 * r['cpu_s'] / total:.0f}%"] for r in top]
+    cells.append([f"the other {len(rest)}", str(sum(r["processes"] for r in rest)),
+                  f"{sum(r['cpu_s'] for r in rest):.0f}", f"{100 * sum(r['cpu_s'] for r in rest) / total:.0f}%"])
+    return "\n".join([f"Where the CPU time of the run at {run['commit']} went ({total:.0f} CPU seconds in "
+                      f"{run['seconds'] / 60:.0f} minutes on {when([run])}; `reference/test-suite-cpu.json`):", "",
+                      *markdown_table(["process", "processes", "CPU s", "share"], cells)])
+
+
 def suite_time_newest():
     """The README: the newest run of the whole suite and of the quick tier, in one line."""
     newest, full, quick = suite_runs()
@@ -400,7 +413,7 @@ BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "g
           "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-talk-h200": memory_talk_h200, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
           "throughput-smoke-repeats": throughput_smoke_repeats,
-          "suite-time": suite_time, "suite-time-newest": suite_time_newest, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
+          "suite-time": suite_time, "suite-time-newest": suite_time_newest, "suite-cpu": suite_cpu, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
 
 
 def rewritten(text):
