@@ -208,7 +208,6 @@ def test_gpu_check_at_smoke_size(tmp_path):
     assert "workers:" in report and "09's pipeline" in report
 
 
-
 def report_is_whole(report):
     """A gpu-check.md as a reader gets it: its heading, every table row with all its cells, and
     the list of what did not run (yet)."""
