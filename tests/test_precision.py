@@ -71,12 +71,13 @@ def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(s
 # Within the suite, one run's CPU seconds against another's measure the machine as much as the
 # script: the two runs happen minutes apart, each beside whatever test the other worker runs, and
 # on a 2-core VM the same --smoke run has taken 1.9 times the CPU seconds in one suite run that it
-# took in another an hour earlier (14: 15.0 and 28.7 s; 03: 9.6 and 10.8). The scripts' own ratios
+# took in another half an hour earlier (14: 15.0 and 28.7 s; 03: 9.6 and 10.8). The scripts' own ratios
 # to 03 without bfloat16, measured alone (reference/no-bf16-smoke-runs-avx2.jsonl, docs/smoke.md),
 # are 0.68-1.73 for the one-process lessons and 05: the 2x of 03 those runs show. Emulated bfloat16
 # is at least 5 times 03 (04: 103 s against 19). So the suite's guard is what separates the two
 # whatever the drift: under 4 times 03's (1.73 x 1.9 = 3.3 below it, 5 above it).
 EMULATION_GUARD = 4.0
+
 # FSDP2 on 2 CPU processes (06, 07, 10, 15) takes over 2x 03's time whatever the precision: with
 # native bfloat16 here 06's smoke run took 3.1x 03's (its two processes start one after the
 # other, and FSDP2 gathers each block over gloo twice a step); their bound is the float32 run itself.

@@ -187,7 +187,7 @@ def throughput_smoke_repeats():
             "ranked from fastest to slowest:\n\n" + "\n".join(lines))
 
 
-def test_machine(r):
+def run_machine(r):
     """The commit and the machine a run of the tests ran on, and how fast it was then where that was
     measured: how long a fresh interpreter took to import torch, torchvision and Lightning, as every
     test process does."""
@@ -201,7 +201,7 @@ def suite_run(r):
     """One run of the whole suite as a sentence says it: how many tests, how long, what ran it."""
     minutes = f"{int(r['seconds'] // 60)} min {int(round(r['seconds'] % 60))} s"
     outcome = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped") if r.get(k))
-    return f"{r['tests']} tests in {minutes} ({outcome + '; ' if outcome else ''}{test_machine(r)})"
+    return f"{r['tests']} tests in {minutes} ({outcome + '; ' if outcome else ''}{run_machine(r)})"
 
 
 def suite_runs():
@@ -217,7 +217,7 @@ def suite_time():
     each with its commit, its outcome, its machine and how it was run where that differs."""
     newest, full, quick = suite_runs()
     said = [suite_run(r) + (f": {r['note']}" if r.get("note") else "") for r in full]
-    quick_times = "; ".join(f"{r['seconds']:.0f} s ({test_machine(r)})" for r in quick)
+    quick_times = "; ".join(f"{r['seconds']:.0f} s ({run_machine(r)})" for r in quick)
     return "\n".join([f"From clean clones with torch.compile's cache empty ({newest}, "
                       "`reference/test-suite-runs.jsonl`):", "", *[f"- {line}" for line in said],
                       f"- the quick tier, {quick[-1]['tests']} tests: {quick_times}"])
@@ -227,10 +227,10 @@ def suite_cpu():
     """docs/tests.md: where one run's CPU time went, by the script or tool each process ran."""
     run = json.loads((REFERENCE / "test-suite-cpu.json").read_text())
     rows, total = run["rows"], sum(r["cpu_s"] for r in run["rows"])
-    top, rest = rows[:10], rows[10:]
-    cells = [[r["what"], str(r["processes"]), f"{r['cpu_s']:.0f}", f"{100 * r['cpu_s'] / total:.0f}%"] for r in top]
-    cells.append([f"the other {len(rest)}", str(sum(r["processes"] for r in rest)),
-                  f"{sum(r['cpu_s'] for r in rest):.0f}", f"{100 * sum(r['cpu_s'] for r in rest) / total:.0f}%"])
+    rest = rows[10:]
+    shown = rows[:10] + [{"what": f"the other {len(rest)}", "processes": sum(r["processes"] for r in rest),
+                          "cpu_s": sum(r["cpu_s"] for r in rest)}]
+    cells = [[r["what"], str(r["processes"]), f"{r['cpu_s']:.0f}", f"{100 * r['cpu_s'] / total:.0f}%"] for r in shown]
     return "\n".join([f"Where the CPU time of the run at {run['commit']} went ({total:.0f} CPU seconds in "
                       f"{run['seconds'] / 60:.0f} minutes on {when([run])}; `reference/test-suite-cpu.json`):", "",
                       *markdown_table(["process", "processes", "CPU s", "share"], cells)])
