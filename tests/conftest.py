@@ -5,10 +5,12 @@ import functools
 import json
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,22 +67,51 @@ def script_env(tmp, **extra):
     return env
 
 
-def run_script(script, *flags, cwd, timeout=240, env=None):
-    """Run a numbered script from the project in `cwd`; results, data and checkpoints land
-    there (relative defaults)."""
-    cmd = [sys.executable, str(ROOT / script), *flags]
+_warm = []  # this pytest process's WarmStarts (warm_start.py), made at its first script
+
+
+def warm_starts():
+    if not _warm:
+        from warm_start import WarmStarts
+        folder = Path(tempfile.mkdtemp(prefix="warm-start-"))
+        _warm.append(WarmStarts(script_env(folder), str(folder)))
+    return _warm[0]
+
+
+def pytest_unconfigure(config):
+    if _warm:
+        _warm[0].stop()
+        shutil.rmtree(Path(_warm[0].address).parent, ignore_errors=True)
+
+
+def run_script(script, *flags, cwd, timeout=240, env=None, fresh=False):
+    """Run a numbered script from the project (or the script at a path) in `cwd`; results, data
+    and checkpoints land there (relative defaults). A fresh interpreter where the environment asks for one, or
+    `fresh`; else forked from one that has imported the libraries (warm_start.py)."""
+    cmd, env = [sys.executable, str(ROOT / script), *flags], env or script_env(Path(cwd))
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=cwd, env=env or script_env(Path(cwd)), capture_output=True,
-                          text=True, timeout=timeout)
+    if fresh or not warm_starts().fits(env):
+        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    else:
+        started = warm_starts().start(cmd, cwd, env, merged=False)
+        try:
+            out, err = started.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(started)
+            raise
+        proc = subprocess.CompletedProcess(cmd, started.returncode, out, err)
     proc.wall_s = time.monotonic() - start
     return proc
 
 
-def start_script(script, *flags, cwd, env=None):
-    """Start a script in its own process group (so a test can kill it and all it started)."""
-    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], cwd=cwd,
-                            env=env or script_env(Path(cwd)), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def start_script(script, *flags, cwd, env=None, fresh=False):
+    """Start a script in its own session (so a test can kill it and all it started): output and
+    errors in one stream. Fresh or forked as run_script says."""
+    cmd, env = [sys.executable, str(ROOT / script), *flags], env or script_env(Path(cwd))
+    if fresh or not warm_starts().fits(env):
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    return warm_starts().start(cmd, cwd, env, merged=True)
 
 
 def start_two_nodes(script, *flags, cwd):
@@ -94,11 +125,11 @@ def start_two_nodes(script, *flags, cwd):
         text=True, start_new_session=True) for node_rank in (0, 1)]
 
 
-def start(script, *flags, cwd):
+def start(script, *flags, cwd, fresh=False):
     """The script's smoke-test launch: a list of processes (two nodes for 06)."""
     if script == TWO_NODES:
         return start_two_nodes(script, *flags, cwd=cwd)
-    return [start_script(script, *flags, cwd=cwd)]
+    return [start_script(script, *flags, cwd=cwd, fresh=fresh)]
 
 
 def finish(procs, timeout=240):
@@ -323,12 +354,18 @@ class SmokeRun:
         self.out, self.record = saved["outputs"][0], saved["record"]
 
 
+# The run test_precision.py measures others' CPU seconds against, as a user starts it: fresh, its
+# record's CPU seconds counting the libraries' loading, as those of the runs measured alone in
+# reference/ do (a forked run's count from the fork)
+YARDSTICK = "03_fabric-vit.py"
+
+
 def smoke_run(folder, script, flags):
     """Run `script --smoke *flags` in folder/run; what SmokeRun reads. A run that failed, hung or
     wrote no record fails, with its output."""
     began, run = time.monotonic(), folder / "run"
     run.mkdir()
-    procs = start(script, "--smoke", *flags, cwd=run)
+    procs = start(script, "--smoke", *flags, cwd=run, fresh=script == YARDSTICK)
     outputs = finish(procs)
     check_ok(procs, outputs, f"{script} --smoke {' '.join(flags)}")
     records = run / "results" / "runs.jsonl"

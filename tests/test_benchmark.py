@@ -265,7 +265,9 @@ def test_gpu_check_within_its_minutes_leaves_a_partial_report_and_a_failure_its_
     report = report_file.read_text()
     report_is_whole(report)
     rows = {(row[0], row[1]): row for row in table_rows(report)}
-    assert float(rows["01_pytorch-vit.py", "16"][5]) > 0, report
+    # images/s: one round's figure, or the median of two and their range, "579.7 (473.4-686.1)",
+    # when 01's 8 steps are quick enough for the headline's second round to fit in the minute
+    assert float(rows["01_pytorch-vit.py", "16"][5].split(" (")[0]) > 0, report
     assert rows["04_fabric-vit-mixed-precision.py", "16"][10] == "FAILED: exit 1: RuntimeError: broken on purpose"
     assert re.search(r"^- \S+: not run: .* left$", report, re.M), report
 

@@ -1,4 +1,6 @@
 """plot_results.py on records from real --smoke runs, on talk-format logs, and on bad input."""
+import contextlib
+import io
 import json
 import os
 import re
@@ -16,8 +18,26 @@ from conftest import SCRIPTS
 
 
 def plot(*flags, cwd):
+    """`python plot_results.py FLAGS` run in `cwd` as a subprocess: what subprocess.run gives."""
     return subprocess.run([sys.executable, str(ROOT / "plot_results.py"), *flags], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
+
+
+def plot_here(*flags, cwd):
+    """plot_results.py's main with these flags, in this process (matplotlib loaded once, not each
+    time), in `cwd`: its exit code and what it printed, as plot() gives them."""
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                plot_results.main(list(flags))
+                code = 0
+            except SystemExit as stop:
+                code = stop.code
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["plot_results.py", *flags], code, out.getvalue(), err.getvalue())
 
 
 def table_rows(stdout):
@@ -102,7 +122,7 @@ def test_talk_format_log(tmp_path):
                    "95.02%\nTime elapsed 18.70 min\nMemory used: 3.71 GB\nTest accuracy 95.37%\n"
                    "```\n\n# 04_fabric-vit-mixed-precision.py\n\nLike 03 but bf16.\n\n```\nTime elapsed 6.36 min\n"
                    "Memory used: 3.04 GB\nTest accuracy 95.24%\n")
-    proc = plot("--results", str(tmp_path / "none.jsonl"), "--log", str(log), "--output",
+    proc = plot_here("--results", str(tmp_path / "none.jsonl"), "--log", str(log), "--output",
                 str(tmp_path / "log.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
@@ -151,7 +171,7 @@ def test_png_is_whole_or_untouched(tmp_path):
 
 def test_the_readmes_example_log(tmp_path):
     """`python plot_results.py --log examples/talk-log.md`, as the README writes it."""
-    proc = plot("--log", "examples/talk-log.md", "--results", str(tmp_path / "none.jsonl"),
+    proc = plot_here("--log", "examples/talk-log.md", "--results", str(tmp_path / "none.jsonl"),
                 "--output", str(tmp_path / "log.png"), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
@@ -222,7 +242,7 @@ def test_the_default_chart_goes_to_a_path_git_ignores(tmp_path):
     from run_keeping.files import append_record, write_atomically
     umask = os.umask(0o002)  # a umask other than the usual 022: a fixed 0o644 would differ
     try:
-        proc = plot(cwd=tmp_path)
+        proc = plot_here(cwd=tmp_path)
         append_record(tmp_path / "record.jsonl", {"script": "01_pytorch-vit.py"})
         write_atomically(tmp_path / "model.pt", b"a model")
     finally:
@@ -271,7 +291,7 @@ def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
     records.append(dict(records[0], test_acc=0.5, seed=9, kind="smoke-synthetic"))  # another kind
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    proc = plot("--results", str(path), "--smoke", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    proc = plot_here("--results", str(path), "--smoke", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
     assert rows["00_pytorch-vit-random-init.py"][2] == "93.00"  # the mean
@@ -331,7 +351,7 @@ def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
     and said so, unless --all."""
     path = tmp_path / "gpu-check.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in gpu_check_like_records()))
-    proc = plot("--results", str(path), "--synthetic", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    proc = plot_here("--results", str(path), "--synthetic", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     rows = table_rows(proc.stdout)
     speedups = {name: columns[7] for name, columns in rows.items()}
@@ -340,7 +360,7 @@ def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
                         "05_fabric-vit-mixed-ddp.py": "-", "09_fabric-vit-fast.py": "3.00x"}, speedups
     assert "no speedup for 05: no 01 run of the same kind, batch, model and processes" in proc.stdout
     assert "left out, cut short by --max-steps 3" in proc.stdout and "03_fabric-vit.py seed 123" in proc.stdout
-    everything = plot("--results", str(path), "--synthetic", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
+    everything = plot_here("--results", str(path), "--synthetic", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
     assert "03_fabric-vit.py" in table_rows(everything.stdout) and "left out" not in everything.stdout
     kind, latest, _ = plot_results.select(gpu_check_like_records(), "synthetic")
     labels = [plot_results.short_label(r, lessons()) for r in latest.values()]

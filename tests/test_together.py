@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_records, script_env, start_script
+from conftest import ROOT, read_records, run_script, script_env, start_script
 from run_keeping.files import sha256
 
 
@@ -106,8 +106,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     assert first.returncode == 130, first.stderr[-2000:]
     go_on = printed(first.stderr, "continue with: ")
     assert go_on == f"python '{script}' --smoke --checkpoint-dir 'ck pts/a b' --resume", go_on
-    fresh = subprocess.run([sys.executable, str(script), "--smoke", "--checkpoint-dir", "ck pts/a b"],
-                           cwd=here, env=env, capture_output=True, text=True, timeout=240)
+    fresh = run_script(script, "--smoke", "--checkpoint-dir", "ck pts/a b", cwd=here, env=env)
     assert fresh.returncode == 2 and "holds the checkpoint of an unfinished run" in fresh.stderr
     assert printed(fresh.stderr, "continue it with: ") == go_on
     over = fresh.stderr.split("or start over with: ")[1].strip()

@@ -1,0 +1,220 @@
+"""Scripts started from an interpreter that has already imported their libraries.
+
+Every numbered script first imports torch, torchvision, Lightning, torchmetrics and watermark:
+8 to 10 s of a 2-core CPU, before its first line of work, and the suite starts a script some
+hundred times. So `run_script` and `start_script` (conftest.py) ask a server process, started once per pytest
+process, that imported those libraries and nothing of this project; it forks, and the copy
+becomes the script's process as `python SCRIPT FLAGS` would make it:
+- its own process (and session), with the test's standard streams, folder, environment and
+  arguments; sys.path[0] the script's folder, the script run as __main__ (runpy), its uncaught
+  exception, exit code, signal and exit handlers those of a fresh interpreter;
+- this project's modules (run_keeping, local_utilities) imported by the script, from the copy of
+  the suite it runs in, as a fresh interpreter would.
+
+What a fork cannot make fresh is what the libraries read as they load: the environment then.
+A script whose environment differs from the server's in anything but the keys in PER_RUN
+(a test's own torch hub cache, its hooks' settings) starts a fresh interpreter instead (conftest.run_script), as does
+one a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK).
+test_scripts.py checks that a forked run and a fresh one print, record and save the same.
+
+The multiprocessing module's forkserver preloads modules too, but runs a function, not a
+script: its processes end with os._exit (no exit handlers, which the scripts' checkpoint lock
+needs), and it gives neither the standard streams nor a program's exit codes.
+"""
+import json
+import os
+import runpy
+import select
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PRELOAD = ("torch", "torchvision", "lightning", "torchmetrics", "watermark")
+# What may differ from the server's environment: read when a run uses it, never as a library
+# loads: a test's own torch hub cache, and the settings of the tests' hooks (sitecustomize.py)
+PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST", "SIGNAL_AT_STEP", "SIGNAL_NAME", "SIGNAL_WHEN",
+           "FULL_DISK_AT", "FAKE_CIFAR10_URL", "DOWNLOAD_LOG"}
+
+
+# -- The server: `python warm_start.py SOCKET` --------------------------------------------------
+def serve(address):
+    """Import the libraries, then fork one process per request. Returns only in a forked copy,
+    set up as the request's script's process: the request."""
+    for name in PRELOAD:
+        __import__(name)
+    import gc
+    gc.freeze()  # the libraries' objects, shared with every copy, are never walked by its collector
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(16)
+    parent = os.getppid()
+    print("ready", flush=True)
+    waiting = selectors.DefaultSelector()
+    waiting.register(listener, selectors.EVENT_READ)
+    while os.getppid() == parent:  # the pytest process that started it has not gone
+        for key, _ in waiting.select(timeout=1):
+            if key.fileobj is listener:
+                conn = listener.accept()[0]
+                message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    conn.close()
+                    return become(json.loads(message), fds)
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+            else:  # a script's process ended: its exit code, as subprocess gives it
+                pid, conn = key.data
+                waiting.unregister(key.fileobj)
+                os.close(key.fileobj)
+                code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+                try:
+                    conn.sendall(f"{code}\n".encode())
+                except OSError:  # the test stopped waiting
+                    pass
+                conn.close()
+
+
+def become(request, fds):
+    """This forked copy as `python SCRIPT FLAGS` in the request's folder and environment."""
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = request["argv"]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    hooks = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if hooks:  # where a fresh interpreter puts them, and the sitecustomize there imported, as site
+        sys.path[1:1] = hooks  # does at start-up (here after the libraries: the hooks patch what a
+        sys.modules.pop("sitecustomize", None)  # run calls, which is there either way)
+        try:
+            import sitecustomize  # noqa: F401
+        except ModuleNotFoundError as missing:
+            if missing.name != "sitecustomize":
+                raise
+    return request
+
+
+# -- The client: a test's side ----------------------------------------------------------------
+class WarmStarts:
+    """The server for one pytest process, started at its first script and stopped with it."""
+
+    def __init__(self, env, folder):
+        self.env, self.address, self.server = env, os.path.join(folder, "warm-start.sock"), None
+
+    def fits(self, env):
+        """Whether a run in `env` can be forked from the server: the same environment wherever a
+        library could read it as it loads; a PYTHONPATH of its own (its hooks) where the server
+        has none."""
+        differs = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        return differs <= PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set())
+
+    def start(self, argv, cwd, env, merged):
+        """What subprocess.Popen(argv, cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT if merged
+        else PIPE, text=True, start_new_session=True) gives, argv being [python, SCRIPT, *FLAGS]."""
+        if self.server is None:
+            self.server = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+                                           start_new_session=True)
+            if self.server.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the warm-start server did not start (exit {self.server.wait()})")
+        return Started(self.address, argv, cwd, env, merged)
+
+    def stop(self):
+        if self.server is not None:
+            self.server.kill()
+            self.server.wait()
+            self.server = None
+
+
+class Started:
+    """A script's process forked by the server, as the tests use a subprocess.Popen: pid, poll,
+    wait, communicate, send_signal, kill, returncode."""
+
+    def __init__(self, address, argv, cwd, env, merged):
+        self.args, self.returncode, self.pid = argv, None, None
+        out_r, out_w = os.pipe()
+        err_r, err_w = (None, out_w) if merged else os.pipe()
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.connect(address)
+        request = {"argv": [str(a) for a in argv[1:]], "cwd": str(cwd), "env": dict(env)}
+        with open(os.devnull, "rb") as stdin:
+            socket.send_fds(self.conn, [json.dumps(request).encode()], [stdin.fileno(), out_w, err_w])
+        os.close(out_w)
+        if not merged:
+            os.close(err_w)
+        self.streams = [out_r] + ([err_r] if err_r is not None else [])
+        self.conn_fd = self.conn.fileno()
+        self.read = {fd: b"" for fd in [self.conn_fd, *self.streams]}
+        self.open = set(self.read)
+        while self.pid is None and self.pump(None):
+            pass
+        if self.pid is None:
+            raise RuntimeError("the warm-start server ended before it started a script")
+
+    def pump(self, timeout):
+        """Read what has come within `timeout` (None: until something comes); whether any did."""
+        if not self.open:
+            return False
+        ready = select.select(list(self.open), [], [], timeout)[0]
+        for fd in ready:
+            data = os.read(fd, 1 << 16)
+            self.read[fd] += data
+            if not data:
+                self.open.discard(fd)
+                self.conn.close() if fd == self.conn_fd else os.close(fd)
+        replies = self.read[self.conn_fd].split(b"\n")
+        self.pid = int(replies[0]) if len(replies) > 1 else None
+        self.returncode = int(replies[1]) if len(replies) > 2 else None
+        return bool(ready)
+
+    def __del__(self):
+        for fd in self.open:
+            self.conn.close() if fd == self.conn_fd else os.close(fd)
+
+    def until(self, done, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout, *self.texts())
+            self.pump(left)
+
+    def texts(self):
+        """The output so far, as text=True gives it (universal newlines)."""
+        return [self.read[fd].decode().replace("\r\n", "\n").replace("\r", "\n") for fd in self.streams]
+
+    def poll(self):
+        while self.pump(0):
+            pass
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.until(lambda: self.returncode is not None, timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.until(lambda: not self.open, timeout)
+        texts = self.texts()
+        return (texts[0], texts[1] if len(texts) > 1 else None)
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+if __name__ == "__main__":
+    request = serve(sys.argv[1])  # returns only in a forked copy, which is the script's process now
+    runpy.run_path(sys.argv[0], run_name="__main__")
