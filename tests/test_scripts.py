@@ -392,29 +392,27 @@ MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput) .*$", re.M)
 
 
 @pytest.mark.slow
-def test_a_forked_run_is_a_fresh_ones_run(tmp_path):
-    """A script forked from the process that has loaded the libraries (run_script, warm_start.py)
-    does what a fresh interpreter does: the same output but for what it measures (MEASURED), the
-    same record's figures and the same model file (one process, one thread: exact); a wrong flag the same one
+def test_a_forked_run_is_a_fresh_ones_run(smoke_runs, tmp_path):
+    """A script forked from the process that has loaded the libraries (start_script, run_script:
+    warm_start.py) does what a fresh interpreter does: 03's smoke run forked prints what the
+    suite's fresh one (conftest.YARDSTICK) printed, but for what it measures (MEASURED), and
+    records the same figures and model file (one process, one thread: exact); a wrong flag is one
     line and exit 2; and at its time-out it is killed, as subprocess.run kills."""
-    from conftest import descendants, run_script
-    flags = ["--smoke", "--max-steps", "6", "--epochs", "1"]
-    runs = {}
-    for how in ("fresh", "forked"):
-        (tmp_path / how).mkdir()
-        runs[how] = run_script("01_pytorch-vit.py", *flags, cwd=tmp_path / how, fresh=how == "fresh")
-        assert runs[how].returncode == 0, runs[how].stderr[-2000:]
-    assert MEASURED.sub("", runs["forked"].stdout) == MEASURED.sub("", runs["fresh"].stdout)
-    fresh, forked = (read_records(tmp_path / how / "results" / "runs.jsonl")[-1] for how in ("fresh", "forked"))
+    from conftest import YARDSTICK, descendants, finish, run_script, start
+    fresh = smoke_runs(YARDSTICK)
+    procs = start(YARDSTICK, "--smoke", cwd=tmp_path)
+    forked = finish(procs)[0]
+    assert procs[0].returncode == 0, forked[-2000:]
+    assert MEASURED.sub("", forked) == MEASURED.sub("", fresh.out)
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
     for key in ("train_loss", "lr", "val_acc", "test_acc", "steps", "model_file", "model_sha256", "python", "torch"):
-        assert forked[key] == fresh[key], key
-    wrong = {how: run_script("01_pytorch-vit.py", "--smoke", "--epochs", "x", cwd=tmp_path, fresh=how == "fresh")
-             for how in ("fresh", "forked")}
-    assert [(p.returncode, p.stdout, p.stderr) for p in wrong.values()] == \
-        [(2, "", wrong["fresh"].stderr)] * 2 and len(wrong["fresh"].stderr.splitlines()) == 1
+        assert record[key] == fresh.record[key], key
+    wrong = run_script(YARDSTICK, "--smoke", "--epochs", "x", cwd=tmp_path)
+    assert (wrong.returncode, wrong.stdout) == (2, "") and len(wrong.stderr.splitlines()) == 1
+    assert wrong.stderr.startswith(f"{YARDSTICK}: error: argument --epochs: ")
     before = set(descendants(os.getpid()))
     with pytest.raises(subprocess.TimeoutExpired):
-        run_script("01_pytorch-vit.py", "--smoke", cwd=tmp_path / "forked", timeout=2)
+        run_script(YARDSTICK, "--smoke", cwd=tmp_path, timeout=2)
     time.sleep(1)  # the server reaps it
     assert set(descendants(os.getpid())) <= before  # the server, started before, and nothing of the run
 

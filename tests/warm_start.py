@@ -6,7 +6,7 @@ hundred times. So `run_script` and `start_script` (conftest.py) ask a server pro
 process, that imported those libraries and nothing of this project; it forks, and the copy
 becomes the script's process as `python SCRIPT FLAGS` would make it:
 - its own process (and session), with the test's standard streams, folder, environment and
-  arguments; sys.path[0] the script's folder, the script run as __main__ (runpy), its uncaught
+  arguments; sys.path[0] the script's folder (a link to it followed), the script run as __main__ (runpy), its uncaught
   exception, exit code, signal and exit handlers those of a fresh interpreter;
 - this project's modules (run_keeping, local_utilities) imported by the script, from the copy of
   the suite it runs in, as a fresh interpreter would.
@@ -91,7 +91,7 @@ def become(request, fds):
     os.environ.update(request["env"])
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.argv = request["argv"]
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # as Python sets it: links followed
     hooks = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if hooks:  # where a fresh interpreter puts them, and the sitecustomize there imported, as site
         sys.path[1:1] = hooks  # does at start-up (here after the libraries: the hooks patch what a
