@@ -45,6 +45,8 @@ def serve(address):
     set up as the request's script's process: the request."""
     for name in PRELOAD:
         __import__(name)
+    if sys.modules["torch"].cuda.is_initialized():  # a CUDA context does not survive a fork
+        sys.exit("a library initialised CUDA as it loaded: nothing can be forked from here")
     import gc
     gc.freeze()  # the libraries' objects, shared with every copy, are never walked by its collector
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -110,23 +112,29 @@ class WarmStarts:
 
     def __init__(self, env, folder):
         self.env, self.address, self.server = env, os.path.join(folder, "warm-start.sock"), None
+        self.failed = False  # the server did not start: every script starts fresh
 
     def fits(self, env):
-        """Whether a run in `env` can be forked from the server: the same environment wherever a
-        library could read it as it loads; a PYTHONPATH of its own (its hooks) where the server
-        has none."""
+        """Whether a run in `env` can be forked from the server (started here at the first that
+        can): the same environment wherever a library could read it as it loads; a PYTHONPATH
+        of its own (its hooks) where the server has none."""
         differs = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return differs <= PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set())
+        return differs <= PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set()) and self.ready()
 
-    def start(self, argv, cwd, env, merged):
-        """What subprocess.Popen(argv, cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT if merged
-        else PIPE, text=True, start_new_session=True) gives, argv being [python, SCRIPT, *FLAGS]."""
-        if self.server is None:
+    def ready(self):
+        if self.server is None and not self.failed:
             self.server = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                            start_new_session=True)
             if self.server.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"the warm-start server did not start (exit {self.server.wait()})")
+                self.server.wait()
+                self.server, self.failed = None, True
+        return self.server is not None
+
+    def start(self, argv, cwd, env, merged):
+        """What subprocess.Popen(argv, cwd=cwd, env=env, stdout=PIPE, stderr=STDOUT if merged
+        else PIPE, text=True, start_new_session=True) gives, argv being [python, SCRIPT, *FLAGS]
+        (once fits(env) said yes)."""
         return Started(self.address, argv, cwd, env, merged)
 
     def stop(self):
