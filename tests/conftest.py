@@ -86,32 +86,29 @@ def pytest_unconfigure(config):
 
 def run_script(script, *flags, cwd, timeout=240, env=None, fresh=False):
     """Run a numbered script from the project (or the script at a path) in `cwd`; results, data
-    and checkpoints land there (relative defaults). A fresh interpreter where the environment asks for one, or
-    `fresh`; else forked from one that has imported the libraries (warm_start.py)."""
-    cmd, env = [sys.executable, str(ROOT / script), *flags], env or script_env(Path(cwd))
+    and checkpoints land there (relative defaults). Started as start_script starts it; at the
+    time-out, it and all it started are killed."""
     start = time.monotonic()
-    if fresh or not warm_starts().fits(env):
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    else:
-        started = warm_starts().start(cmd, cwd, env, merged=False)
-        try:
-            out, err = started.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_group(started)
-            raise
-        proc = subprocess.CompletedProcess(cmd, started.returncode, out, err)
+    started = start_script(script, *flags, cwd=cwd, env=env, fresh=fresh, merged=False)
+    try:
+        out, err = started.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(started)
+        raise
+    proc = subprocess.CompletedProcess(started.args, started.returncode, out, err)
     proc.wall_s = time.monotonic() - start
     return proc
 
 
-def start_script(script, *flags, cwd, env=None, fresh=False):
-    """Start a script in its own session (so a test can kill it and all it started): output and
-    errors in one stream. Fresh or forked as run_script says."""
+def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):
+    """Start a script in its own session (so a test can kill it and all it started), its output
+    and errors in one stream unless not `merged`: a fresh interpreter where the environment asks
+    for one, or `fresh`; else forked from one that has imported the libraries (warm_start.py)."""
     cmd, env = [sys.executable, str(ROOT / script), *flags], env or script_env(Path(cwd))
     if fresh or not warm_starts().fits(env):
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    return warm_starts().start(cmd, cwd, env, merged=True)
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True,
+                                stderr=subprocess.STDOUT if merged else subprocess.PIPE, start_new_session=True)
+    return warm_starts().start(cmd, cwd, env, merged)
 
 
 def start_two_nodes(script, *flags, cwd):

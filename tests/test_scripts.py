@@ -398,15 +398,19 @@ def test_a_forked_run_is_a_fresh_ones_run(smoke_runs, tmp_path):
     suite's fresh one (conftest.YARDSTICK) printed, but for what it measures (MEASURED), and
     records the same figures and model file (one process, one thread: exact); a wrong flag is one
     line and exit 2; and at its time-out it is killed, as subprocess.run kills."""
-    from conftest import YARDSTICK, descendants, finish, run_script, start
+    from conftest import YARDSTICK, descendants, finish, run_script, start, warm_starts
+    from warm_start import Started
     fresh = smoke_runs(YARDSTICK)
     procs = start(YARDSTICK, "--smoke", cwd=tmp_path)
+    assert isinstance(procs[0], Started)  # forked, not a fresh interpreter
     forked = finish(procs)[0]
     assert procs[0].returncode == 0, forked[-2000:]
     assert MEASURED.sub("", forked) == MEASURED.sub("", fresh.out)
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
-    for key in ("train_loss", "lr", "val_acc", "test_acc", "steps", "model_file", "model_sha256", "python", "torch"):
+    for key in ("train_loss", "lr", "val_acc", "test_acc", "steps", "model_file", "model_sha256",
+                "python", "torch"):
         assert record[key] == fresh.record[key], key
+    assert warm_starts().fits(script_env(tmp_path))  # the runs below are forked too
     wrong = run_script(YARDSTICK, "--smoke", "--epochs", "x", cwd=tmp_path)
     assert (wrong.returncode, wrong.stdout) == (2, "") and len(wrong.stderr.splitlines()) == 1
     assert wrong.stderr.startswith(f"{YARDSTICK}: error: argument --epochs: ")
@@ -415,6 +419,32 @@ def test_a_forked_run_is_a_fresh_ones_run(smoke_runs, tmp_path):
         run_script(YARDSTICK, "--smoke", cwd=tmp_path, timeout=2)
     time.sleep(1)  # the server reaps it
     assert set(descendants(os.getpid())) <= before  # the server, started before, and nothing of the run
+
+
+def test_an_environment_a_library_reads_as_it_loads_starts_fresh(tmp_path):
+    """What a fork cannot change: a run whose environment differs from the server's in what a
+    library reads as it loads (oneDNN's ISA cap, glibc's thresholds, a PYTHONPATH where the server
+    has one) is not forked, and no server is started for it; a run's own torch hub cache is."""
+    from conftest import script_env
+    from warm_start import WarmStarts
+    starts = WarmStarts(script_env(tmp_path), str(tmp_path))
+    for extra in ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"MALLOC_ARENA_MAX": "1"}, {"OMP_NUM_THREADS": "2"}):
+        assert not starts.fits(script_env(tmp_path, **extra)), extra
+    with_path = WarmStarts(script_env(tmp_path, PYTHONPATH="/a"), str(tmp_path))
+    assert not with_path.fits(script_env(tmp_path, PYTHONPATH="/b"))
+    assert starts.server is None and with_path.server is None
+    starts.ready = lambda: True  # as if the server were up: the only difference is the hub cache
+    assert starts.fits(script_env(tmp_path / "elsewhere"))
+
+
+@pytest.mark.slow
+def test_where_the_server_cannot_start_every_script_starts_fresh(tmp_path):
+    """A server that cannot listen (here: its socket's folder is missing) is said to have failed,
+    and fits() answers no, so the script starts in a fresh interpreter instead."""
+    from conftest import script_env
+    from warm_start import WarmStarts
+    starts = WarmStarts(script_env(tmp_path), str(tmp_path / "missing"))
+    assert not starts.fits(script_env(tmp_path)) and starts.failed and starts.server is None
 
 
 @pytest.mark.slow

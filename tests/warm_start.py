@@ -2,20 +2,21 @@
 
 Every numbered script first imports torch, torchvision, Lightning, torchmetrics and watermark:
 8 to 10 s of a 2-core CPU, before its first line of work, and the suite starts a script some
-hundred times. So `run_script` and `start_script` (conftest.py) ask a server process, started once per pytest
-process, that imported those libraries and nothing of this project; it forks, and the copy
-becomes the script's process as `python SCRIPT FLAGS` would make it:
+hundred times. So conftest.start_script (and run_script) asks a server process, started once per
+pytest process, that imported those libraries and nothing of this project; it forks, and the
+copy becomes the script's process as `python SCRIPT FLAGS` would make it:
 - its own process (and session), with the test's standard streams, folder, environment and
-  arguments; sys.path[0] the script's folder (a link to it followed), the script run as __main__ (runpy), its uncaught
-  exception, exit code, signal and exit handlers those of a fresh interpreter;
+  arguments; sys.path[0] the script's folder (a link to it followed), the script run as __main__
+  (runpy), its uncaught exception, exit code, signal and exit handlers a fresh interpreter's;
 - this project's modules (run_keeping, local_utilities) imported by the script, from the copy of
   the suite it runs in, as a fresh interpreter would.
 
 What a fork cannot make fresh is what the libraries read as they load: the environment then.
-A script whose environment differs from the server's in anything but the keys in PER_RUN
-(a test's own torch hub cache, its hooks' settings) starts a fresh interpreter instead (conftest.run_script), as does
-one a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK).
-test_scripts.py checks that a forked run and a fresh one print, record and save the same.
+A script whose environment differs from the server's in anything but the keys in PER_RUN (a
+test's own torch hub cache, its hooks' settings) starts a fresh interpreter instead, as does one
+a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK), and every script
+where the server did not start. test_scripts.py checks that a forked run and a fresh one print,
+record and save the same.
 
 The multiprocessing module's forkserver preloads modules too, but runs a function, not a
 script: its processes end with os._exit (no exit handlers, which the scripts' checkpoint lock
@@ -119,7 +120,8 @@ class WarmStarts:
         can): the same environment wherever a library could read it as it loads; a PYTHONPATH
         of its own (its hooks) where the server has none."""
         differs = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        return differs <= PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set()) and self.ready()
+        may_differ = PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set())
+        return differs <= may_differ and self.ready()
 
     def ready(self):
         if self.server is None and not self.failed:
@@ -186,7 +188,7 @@ class Started:
         return bool(ready)
 
     def __del__(self):
-        for fd in self.open:
+        for fd in getattr(self, "open", ()):
             self.conn.close() if fd == self.conn_fd else os.close(fd)
 
     def until(self, done, timeout):
