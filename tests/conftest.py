@@ -56,11 +56,18 @@ OFFLINE = {"http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:
            "no_proxy": "", "NO_PROXY": ""}
 
 
+# This pytest process's environment as it started. The libraries that tests call in this process
+# add to os.environ (torch's TORCHINDUCTOR_CACHE_DIR and PYTORCH_NVML_BASED_CUDA_CHECK, the
+# KMP_ settings of scikit-learn's OpenMP), which a script's environment does not inherit: what a
+# script gets does not depend on which tests ran before it in the same worker.
+ENVIRON = dict(os.environ)
+
+
 def script_env(tmp, **extra):
     """A script's environment in a test: offline, its own torch hub cache, and one CPU thread a
     process (pytest.ini runs tests side by side, one per core: more threads than cores wait on
-    each other, as torchrun's OMP_NUM_THREADS=1 avoids)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"),
+    each other, as torchrun's OMP_NUM_THREADS=1 avoids), on the environment pytest started with."""
+    env = dict(ENVIRON, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"),
                OMP_NUM_THREADS="1", **OFFLINE)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     env.update(extra)

@@ -421,10 +421,12 @@ def test_a_forked_run_is_a_fresh_ones_run(smoke_runs, tmp_path):
     assert set(descendants(os.getpid())) <= before  # the server, started before, and nothing of the run
 
 
-def test_an_environment_a_library_reads_as_it_loads_starts_fresh(tmp_path):
+def test_an_environment_a_library_reads_as_it_loads_starts_fresh(tmp_path, monkeypatch):
     """What a fork cannot change: a run whose environment differs from the server's in what a
     library reads as it loads (oneDNN's ISA cap, glibc's thresholds, a PYTHONPATH where the server
-    has one) is not forked, and no server is started for it; a run's own torch hub cache is."""
+    has one) is not forked, and no server is started for it; a run's own torch hub cache is, and
+    what libraries called in this process add to its environment reaches no script (conftest.ENVIRON:
+    had it, a server made before would fork no script after)."""
     from conftest import script_env
     from warm_start import WarmStarts
     starts = WarmStarts(script_env(tmp_path), str(tmp_path))
@@ -434,6 +436,8 @@ def test_an_environment_a_library_reads_as_it_loads_starts_fresh(tmp_path):
     assert not with_path.fits(script_env(tmp_path, PYTHONPATH="/b"))
     assert starts.server is None and with_path.server is None
     starts.ready = lambda: True  # as if the server were up: the only difference is the hub cache
+    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")  # as scikit-learn's OpenMP sets it in this process
+    assert "KMP_INIT_AT_FORK" not in script_env(tmp_path) or "KMP_INIT_AT_FORK" in starts.env
     assert starts.fits(script_env(tmp_path / "elsewhere"))
 
 
