@@ -205,15 +205,18 @@ def suite_run(r):
 
 
 def suite_runs():
-    """The newest day's runs of the whole suite and of its quick tier."""
+    """The runs of the whole suite and of its quick tier in the 24 hours up to the newest (a day of
+    work, which UTC's midnight may cut in two), and the dates they span."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
-    newest = max(r["timestamp"][:10] for r in runs)
-    day = [r for r in runs if r["timestamp"][:10] == newest]
-    return newest, [r for r in day if r["tier"] == "all"], [r for r in day if r["tier"] == "quick"]
+    stamp = lambda r: datetime.fromisoformat(r["timestamp"]).timestamp()  # noqa: E731
+    newest = max(stamp(r) for r in runs)
+    day = sorted((r for r in runs if newest - stamp(r) <= 24 * 3600), key=stamp)
+    dates = " to ".join(dict.fromkeys(r["timestamp"][:10] for r in day))
+    return dates, [r for r in day if r["tier"] == "all"], [r for r in day if r["tier"] == "quick"]
 
 
 def suite_time():
-    """docs/tests.md: how long the tests took, as measured from clean clones: the newest day's runs,
+    """docs/tests.md: how long the tests took, as measured from clean clones: the last day's runs,
     each with its commit, its outcome, its machine and how it was run where that differs."""
     newest, full, quick = suite_runs()
     said = [suite_run(r) + (f": {r['note']}" if r.get("note") else "") for r in full]
