@@ -99,14 +99,14 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
     start = time.time()
     for epoch in range(keeper.start_epoch, num_epochs):
         model.train()
-        for batch_idx, (features, targets) in enumerate(train_data.epoch(epoch)):
+        for batch_idx, (features, targets) in enumerate(train_data.epoch(epoch), keeper.first_batch):  # 0, or where a stopped run was (--resume)
             logits = model(features)
             loss = F.cross_entropy(logits, targets)
             optimizer.zero_grad(set_to_none=True)
             fabric.backward(loss)
             optimizer.step()
             scheduler.step()
-            keeper.step(loss, len(targets))  # no GPU sync: the loss guard reads every 300 steps
+            keeper.batch_done(loss, len(targets))  # no GPU sync: the loss guard reads every 300 steps
             if not batch_idx % PRINT_EVERY:
                 fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_data):04d} | Loss: {loss:.4f}")
         val_acc = evaluate(model, val_data, fabric.device)

@@ -28,7 +28,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
 
         model.train()
-        for batch_idx, (features, targets) in enumerate(train_loader):
+        for batch_idx, (features, targets) in enumerate(train_loader, keeper.first_batch):  # 0, or where a stopped run was (--resume)
             model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
 
             ### FORWARD AND BACK PROP
@@ -40,7 +40,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
-            keeper.step(loss, len(targets))  # loss guard and timing, for the run record
+            keeper.batch_done(loss, len(targets))  # loss guard and timing, for the run record
 
             ### LOGGING
             if not batch_idx % 300:

@@ -5,7 +5,8 @@
     python plot_results.py --log examples/talk-log.md   # also logs in the talk's text format
 
 Keeps the latest record per script and seed, draws training time, test accuracy, peak memory and
-throughput per script (ours solid, the talk's hatched), and prints the same as a table with each
+throughput per script (ours solid, the talk's hatched beside full runs only: a smoke or synthetic
+run is another model on other data, never drawn on the talk's axis), and prints the same as a table with each
 script's speedup over 01. Several seeds of a script (`--seed`): the bar is their mean and the
 error bar their range (min to max); the table gives n and the accuracy's range. Speedup, here and in benchmark.py, is training throughput over 01's:
 images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
@@ -111,6 +112,9 @@ def read_log(path, known):
 
 
 KINDS = ("full", "smoke", "synthetic", "smoke-synthetic")
+# What a bar of each kind measured, for its legend; only full runs share an axis with the talk's.
+MEASURED = {"full": "ViT-B/16 on CIFAR-10", "smoke": "3-layer ViT on 8x8 digits",
+            "synthetic": "ViT on random images", "smoke-synthetic": "3-layer ViT on random images"}
 SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
 
 
@@ -208,6 +212,8 @@ def differences(record, reference):
         found.append(f"{record['world_size']} process{'es' if record['world_size'] > 1 else ''}")
     if record.get("model") not in (None, "vit_b_16", "smoke ViT"):
         found.append(record["model"])
+    if record.get("busy"):
+        found.append("BUSY: shared CPU")
     return found
 
 
@@ -286,8 +292,9 @@ def figure(latest, reference, kind):
                   for k in keys]
         below = [v - convert(r[0]) if r and v is not None else 0 for v, r in zip(ours, ranges)]
         above = [convert(r[1]) - v if r and v is not None else 0 for v, r in zip(ours, ranges)]
-        bars = ax.bar([x - width / 2 for x in xs], [v or 0 for v in ours], width,
-                      color="#1f77b4", label=f"ours ({kind}"
+        beside = talk_key and kind == "full"  # the talk's figures: on the axis of full runs alone
+        bars = ax.bar([x - width / 2 if beside else x for x in xs], [v or 0 for v in ours],
+                      width if beside else 2 * width, color="#1f77b4", label=f"ours ({kind}: {MEASURED[kind]}"
                       + ("; several seeds: mean, min-max)" if any(ranges) else ")"),
                       yerr=[below, above] if any(ranges) else None, capsize=3,
                       error_kw={"elinewidth": 1})
@@ -295,7 +302,7 @@ def figure(latest, reference, kind):
             ax.annotate("n/a" if value is None else fmt.format(value),
                         (bar.get_x() + bar.get_width() / 2, bar.get_height() + up),
                         ha="center", va="bottom", fontsize=7)
-        if talk_key:
+        if beside:
             talk = [reference[k[0]][talk_key] for k in keys]
             talk_bars = ax.bar([x + width / 2 for x in xs], [t or 0 for t in talk], width,
                                color="white", edgecolor="#888888", hatch="//",
@@ -305,7 +312,8 @@ def figure(latest, reference, kind):
                             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             ha="center", va="bottom", fontsize=7, color="#555555")
         else:
-            ax.text(0.99, 0.97, "talk: not published", transform=ax.transAxes, ha="right",
+            ax.text(0.99, 0.97, f"talk: not drawn beside {kind} runs (another model, data and machine)"
+                    if talk_key else "talk: not published", transform=ax.transAxes, ha="right",
                     va="top", fontsize=8, color="#555555")
         ax.margins(y=0.2)
     title = headline_of(latest, kind, fig)
@@ -326,7 +334,11 @@ def headline_of(latest, kind, fig):
     if kind.startswith("smoke"):
         headline += ("\n(a 3-layer ViT on 8x8 handwritten digits, from what each label says it "
                      "started from; on a CPU, memory is the process's peak resident memory)")
-    headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
+    if kind == "full":
+        headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
+    busy = sorted(r["script"][:2] for r in latest.values() if r.get("busy"))
+    if busy:
+        headline += f"\nBUSY (another program shared the CPU; times not comparable): {', '.join(busy)}"
     # wrapped to the figure's width: at most 7.5 pixels a character at 9 points and 100 dpi
     chars = int(fig.get_figwidth() * fig.dpi / 7.5)
     return "\n".join(textwrap.fill(line, chars) for line in headline.split("\n"))

@@ -26,11 +26,13 @@ from benchmarks.peaks import peak_tflops
 from benchmarks.runs import SCRIPTS, RunFailed, ask, make_strategy, process_range, run_script, say
 from run_keeping import leave
 from run_keeping.config import WARMUP_STEPS, lessons
+from run_keeping.processes import BUSY_WAIT
 from run_keeping.files import fmt, markdown_table
 
 REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
 STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
-# Bare loops of one configuration further apart than this: a busy machine. On an idle 2-core
+# Bare loops of one setting (one configuration's rounds, or configurations that share a bare
+# loop) further apart than this: a busy machine, beside each run's own measure (BUSY_WAIT). On an idle 2-core
 # CPU they vary by up to about 10% from round to round (three runs of --smoke, Intel Xeon,
 # 2026-12-03), which the ranking's round-by-round rule absorbs; two busy loops beside the run
 # moved them by 170%. Twice the idle variation tells the two apart.
@@ -93,7 +95,7 @@ def bare_loop(args):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torchvision.models.vision_transformer import EncoderBlock
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
-    from run_keeping.processes import peak_memory_gb, share_cpu_threads
+    from run_keeping.processes import cpu_from, peak_memory_gb, share_cpu_threads, waiting_share
     spec, steps = json.loads(args.bare_loop), args.max_steps
     devices, micro = spec["processes"], spec["micro_batches"]
     strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"], spec["parallelize"])
@@ -119,7 +121,7 @@ def bare_loop(args):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            start = time.perf_counter()
+            start, since = time.perf_counter(), cpu_from()
         optimizer.zero_grad()
         for part in range(micro):
             with fabric.no_backward_sync(model, enabled=part < micro - 1):
@@ -130,7 +132,9 @@ def bare_loop(args):
     seconds = fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")
     images = (steps - WARMUP_STEPS) * spec["batch"] * fabric.world_size // spec["tensor_parallel"]
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
-    say("BARE", {"images_per_s": images / float(seconds), "peak_memory_gb": float(memory)}, fabric)
+    waited = fabric.all_reduce(torch.tensor(waiting_share(since)), reduce_op="max")
+    say("BARE", {"images_per_s": images / float(seconds), "peak_memory_gb": float(memory),
+                 "cpu_wait_share": float(waited)}, fabric)
     fabric.barrier()
     leave(0)  # run_keeping/__init__.py: why a multi-process run ends so
 
@@ -236,6 +240,10 @@ def rows_of(measured, flops, args):
     ratio to 01 cannot be told from 1 (within noise); a configuration that failed, with why."""
     base = {(r["records"][0]["batch_size"], r["records"][0]["world_size"]): r for (s, _), r in measured.items()
             if s == "01_pytorch-vit.py" and r["records"]}
+    alike = {}  # the bare loops of every configuration of one bare spec, every round
+    for runs in measured.values():
+        for record, bare in zip(runs["records"], runs["bares"]):
+            alike.setdefault(bare_key(record), []).append(bare["images_per_s"])
     rows = []
     for (script, batch), runs in measured.items():
         records, bares = runs["records"], runs["bares"]
@@ -254,8 +262,9 @@ def rows_of(measured, flops, args):
                "devices": first["world_size"], "n": len(records), "images_per_s": spread(ips),
                "vs_01": spread(vs_01), "vs_01_rounds": vs_01, "vs_bare": spread(vs_bare),
                "memory_gb": max(r["peak_memory_gb"] for r in records), "mfu": mfu(statistics.median(ips)),
-               "busy": bool(bare_ips) and max(bare_ips) / min(bare_ips) - 1 > BUSY,
-               "spread_bare": max(bare_ips) / min(bare_ips) - 1 if bare_ips else None, "failed": runs.get("failed")}
+               "waited": max([r.get("cpu_wait_share") or 0 for r in records + bares]),
+               "spread_bare": spread_of(alike.get(bare_key(first), [])), "failed": runs.get("failed")}
+        row["busy"] = row["waited"] > BUSY_WAIT or (row["spread_bare"] or 0) > BUSY
         median, low, high = row["vs_01"]
         row["noise"] = median is not None and script != "01_pytorch-vit.py" and high - low > abs(median - 1)
         rows.append(row)
@@ -265,6 +274,11 @@ def rows_of(measured, flops, args):
                          "memory_gb": max(b["peak_memory_gb"] for b in bares),
                          "mfu": mfu(statistics.median(bare_ips)), "noise": False, "failed": None, "of": script})
     return rows
+
+
+def spread_of(values):
+    """How far apart the highest and lowest are, as a share of the lowest; None for fewer than 2."""
+    return max(values) / min(values) - 1 if len(values) > 1 else None
 
 
 def precision_of(record):
@@ -281,6 +295,14 @@ def ratio(value, pattern="{:.2f}"):
     return pattern.format(median) + (f" ({pattern.format(low)}-{pattern.format(high)})" if high != low else "")
 
 
+def busy_note(row):
+    """Why a row is marked busy: its runs waited for a core, or its bare loops disagreed."""
+    return "; ".join([*([f"busy: its runs waited for a CPU core {row['waited']:.0%} of their time"]
+                        if row["waited"] > BUSY_WAIT else []),
+                      *([f"busy: bare loops of its settings differ by {row['spread_bare']:.0%}"]
+                        if (row["spread_bare"] or 0) > BUSY else [])])
+
+
 def rows_table(rows):
     header = ["script", "batch", "precision", "strategy", "processes", "images/s", "vs 01", "vs bare",
               "peak memory GB", "MFU", "note"]
@@ -290,8 +312,7 @@ def rows_table(rows):
             cells.append([r["script"], r["batch"], *["-"] * 8,
                           f"FAILED: {r['failed']}" if r["failed"] else "not run: the time ran out"])
             continue
-        note = "; ".join([*([f"busy: its bare loops differ by {r['spread_bare']:.0%}"]
-                            if r["busy"] and r["script"] != "bare loop" else []),
+        note = "; ".join([*([busy_note(r)] if r["busy"] and r["script"] != "bare loop" else []),
                           *(["within noise of 01"] if r["noise"] else []),
                           *([f"FAILED in a later round: {r['failed']}"] if r["failed"] else [])]) or "-"
         cells.append([r["script"], r["batch"], r["precision"], r["strategy"], r["devices"],
@@ -354,9 +375,7 @@ def verdict(rows, args, device):
                      "no native bfloat16; each row says what ran and what was asked).")
     busy = [r for r in scripts if r["busy"]]
     if busy:
-        worst = max(busy, key=lambda r: r["spread_bare"])
-        lines.append(f"- BUSY MACHINE: the bare loops of one configuration ran up to "
-                     f"{worst['spread_bare']:.0%} apart from round to round ({worst['script'][:2]}): "
+        lines.append(f"- BUSY MACHINE ({', '.join(busy_note(r) + ' (' + r['script'][:2] + ')' for r in busy)}): "
                      "something else was using the processor, and the ratios above are not to be "
                      f"trusted. Run again on an idle machine, or measure longer: --repeat "
                      f"{2 * args.repeat} --max-steps {2 * args.max_steps}.")

@@ -15,7 +15,7 @@ libraries load: a Ctrl-C meanwhile is one line too), makes one RunKeeper and cal
 
     keeper = RunKeeper(args, fabric)            # checks, signal handlers (fabric: None in 00-02)
     keeper.resume(model, optimizer, train_loader)   # says what runs; with --resume: restores
-    keeper.step(loss, len(targets))             # after each batch (each micro-batch in 12-14)
+    keeper.batch_done(loss, len(targets))       # after each batch (each micro-batch in 12-14)
     keeper.checkpoint(epoch, model, optimizer, val_acc)           # after each epoch
     keeper.finish(train_time_s, test_acc, model)                  # closing lines, model, record
 

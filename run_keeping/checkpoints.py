@@ -94,6 +94,12 @@ class Checkpoints:
             default = self.config.checkpoint_dir_is_default
             remove_empty_folders(self.folder, up_to=self.folder.parent.parent if default else self.folder.parent)
 
+    def start_over(self):
+        """The command that drops this run's folder (and checkpoints/ where it is left empty)
+        and starts the run afresh."""
+        default = self.config.checkpoint_dir_is_default
+        return start_over_command(self.folder, self.folder.parent if default else None)
+
     def decide(self):
         """Whether this run continues the one in the folder: --resume, or its launcher started
         it again; refuses a fresh run over an unfinished one, and --resume with nothing to
@@ -104,7 +110,7 @@ class Checkpoints:
         if exists and not self.config.resume and not again:
             flags = (latest or {}).get("flags")
             fail(f"{self.folder} holds the checkpoint of an unfinished run: continue it with: "
-                 f"{resume_command(flags)}; or start over with: {start_over_command(self.folder)}")
+                 f"{resume_command(flags)}; or start over with: {self.start_over()}")
         if self.config.resume and not exists:
             stem = Path(self.config.script).stem
             others = sorted(p.parent.name for p in self.folder.parent.glob(f"{stem}*/{LATEST}"))
@@ -123,7 +129,8 @@ class Checkpoints:
             path, script, kind = self.folder / latest["checkpoint"], latest["script"], latest["kind"]
             saved, flags = latest["settings"], latest["flags"]
         except (OSError, ValueError, KeyError, TypeError) as err:
-            fail(f"--resume: {latest_file} is unreadable or corrupt ({type(err).__name__}: {err}).")
+            fail(f"--resume: {latest_file} is unreadable or corrupt ({type(err).__name__}: {err}); "
+                 f"start over with: {self.start_over()}")
         if (script, kind) != (self.config.script, self.config.kind):
             fail(f"--resume: the checkpoint in {self.folder} is from {script} ({kind or 'full'} "
                  f"run); this is {self.config.script} ({self.config.kind or 'full'} run). Each script "
@@ -146,7 +153,7 @@ class Checkpoints:
                 if scheduler:
                     scheduler.load_state_dict(state["scheduler"])
         except Exception as err:  # a truncated or foreign file fails in many ways
-            fail(f"--resume: cannot load {path} ({why_unloadable(err)})")
+            fail(f"--resume: cannot load {path} ({why_unloadable(err)}); start over with: {self.start_over()}")
         self.last = path
         return state["progress"], state["rng"]
 

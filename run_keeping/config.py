@@ -76,9 +76,14 @@ def resume_command(flags=None):
     return command
 
 
-def start_over_command(folder):
-    """The commands that drop the unfinished run in `folder` and start this one afresh."""
-    return f"rm -rf {shlex.quote(str(folder))} && {invoked(*started_flags())}"
+def start_over_command(folder, parent=None):
+    """The commands that drop the unfinished run in `folder` and start this one afresh; with
+    `parent` (the default checkpoints/, which the run made), that folder too where it is left
+    empty, so a start-over stopped before its first checkpoint leaves no empty folder."""
+    drop = f"rm -rf {shlex.quote(str(folder))}"
+    if parent is not None:
+        drop += f" && rmdir {shlex.quote(str(parent))} 2>/dev/null"
+    return f"{drop}; {invoked(*started_flags())}"
 
 
 def kind_flags(kind):

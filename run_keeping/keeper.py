@@ -28,7 +28,7 @@ from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, star
 from run_keeping.files import append_record, sha256, write_atomically
 from run_keeping.processes import (StopVote, bound_waits, device_name, fall_back_from_bf16, forget_cpu_peak,
                                    fsdp_units, gather, launcher, lost_peer, opening_line, peak_memory_gb,
-                                   share_cpu_threads, together)
+                                   share_cpu_threads, together, cpu_from, waiting_share, BUSY_WAIT)
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches; the loss guard reads then
 WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
@@ -68,6 +68,7 @@ class RunKeeper:
         if fabric and fabric.device.type == "cpu":
             share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", config.devices)))
         self.meter, self.vote, self.figures = StepMeter(config.accelerator == "cuda", config.micro_batches), StopVote(fabric), Figures()
+        self.first_batch = 0  # the loop's count of the first epoch's batches starts here: a mid-epoch --resume's
 
     def print(self, *a):
         """print on global rank 0 only: fabric.print prints once per machine."""
@@ -82,9 +83,9 @@ class RunKeeper:
         """Says what the run is; with --resume (or when its launcher started it again) restores
         model, optimizer, scheduler, random states and the figures so far from the newest
         checkpoint, mid-epoch too. Returns the first epoch."""
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler or scheduler_of(optimizer)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.meter.steps_per_epoch, self.started = len(train_loader), time.time()
+        self.meter.steps_per_epoch, self.started, self.cpu_from = len(train_loader), time.time(), cpu_from()
         c, group = self.config, optimizer.param_groups[0]
         self.settings = {**{k: getattr(c, k) for k in SETTINGS[:4]}, "world_size": self.world_size,
                          "tensor_parallel": c.tensor_parallel, "precision": self.precision_asked,
@@ -113,29 +114,30 @@ class RunKeeper:
         self.epoch_rng = rng_states()
         if partial:  # stopped mid-epoch: the epoch's figures so far
             self.meter.restore(partial["meter"])
+            self.first_batch = partial["batches"]
         self.figures.restore(progress)
         within = f" and {partial['batches']} of {len(train_loader)} batches of the next" if partial else ""
         self.print(f"Resuming {self.config.script} from {self.checkpoints.last}: "
                    f"{self.start_epoch} of {self.config.epochs} epochs done{within}.")
 
-    def step(self, loss, batch_size):
-        """After each batch (each micro-batch in 12-14), without waiting for the GPU (StepMeter);
-        a stop asked for by a signal is carried out after an optimizer step, at the same step in
-        every process (processes.StopVote)."""
-        self.figures.steps += 1
+    def batch_done(self, loss, batch_size):
+        """After each batch the loader hands out (each micro-batch in 12-14), without waiting for
+        the GPU (StepMeter); a stop asked for by a signal is carried out after an optimizer step,
+        at the same step in every process (processes.StopVote)."""
         stepped = self.meter.step(loss, batch_size, self.optimizer.param_groups[0]["lr"], self.figures.epochs_done + 1)
+        self.figures.count(stepped)
         code = self.vote.step(self.stopping.wanted) if stepped else 0
         if code:
-            meter = self.meter.partial()
-            if self.fabric and self.world_size > 1:  # one checkpoint for all: the mean of their
-                # sums, which gives the epoch's mean loss as theirs do (it is linear in them)
-                meter["loss"] = float(self.fabric.all_reduce(torch.tensor(meter["loss"]), reduce_op="mean"))
-            self.stopping.saved(code, self._save(partial={"batches": self.meter.epoch["steps"], "meter": meter,
+            self.stopping.saved(code, self._save(partial={"batches": self.meter.epoch["batches"],
+                                                          "meter": self.meter.partial(self.fabric),
                                                           "epoch_rng": self.epoch_rng}))
 
     def checkpoint(self, epoch, model, optimizer, val_acc, scheduler=None):
         """After an epoch's validation: keep its figures and save the checkpoint to resume from."""
-        self.scheduler = scheduler or self.scheduler
+        self.scheduler = scheduler or self.scheduler or scheduler_of(optimizer)
+        if self.first_batch:  # the loop's train accuracy counted only the batches since the resume
+            self.print(resumed_epoch_line(self.first_batch, self.meter.steps_per_epoch))
+            self.first_batch = 0
         mean_loss, lr = self.meter.end_epoch(self.figures.epochs_done + 1)
         if self.fabric:
             mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
@@ -154,8 +156,8 @@ class RunKeeper:
 
     def _save(self, partial=None):
         """A checkpoint of the progress so far; returns the seconds it took."""
-        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel,
-                                                           self.figures.earlier, time.time() - self.started), partial)
+        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier,
+                                                           self.figures.training_s(time.time() - self.started)), partial)
         # memory is training's: a checkpoint write holds a serialised copy of the state for a
         # moment (Fabric's save, a second in memory), which the talk's scripts never wrote
         self.figures.peak_gb = max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator))
@@ -167,15 +169,18 @@ class RunKeeper:
         """The talk's closing lines, the finetuned model file, the run record; then the
         checkpoints are removed (nothing left to resume), and a multi-process run ends (leave)."""
         self.stopping.phase = "ending"
-        totals = self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier, train_time_s)
+        totals = self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier,
+                                   self.figures.training_s(train_time_s))
         images_per_s = totals["timed_images"] / totals["timed_seconds"] if totals["timed_seconds"] else None
         memory = gather(self.fabric, max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator)))
         state = plain_state_dict(model)  # every process takes part when the model is sharded
+        waited = max(gather(self.fabric, waiting_share(self.cpu_from)))
         self.print(closing_lines(totals["train_time_s"], max(memory), images_per_s,
-                                 None if self.config.synthetic else test_acc))
-        ran = {"precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
+                                 None if self.config.synthetic else test_acc, waited))
+        ran = {"cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
+               "precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
                "world_size": self.world_size, "parameters_per_process": self.held_parameters,
-               **techniques(model, self.optimizer, self.fabric), "lr_end": self.optimizer.param_groups[0]["lr"]}
+               **techniques(model, self.optimizer, self.fabric, self.scheduler), "lr_end": self.optimizer.param_groups[0]["lr"]}
         record = make_record(self.config, self.fabric, ran, self.figures, totals, images_per_s, memory, test_acc)
         self.stopping.phase = "finishing"  # a signal now waits until the model and the record are written
         together(self.fabric, lambda: self._keep(state, record) if self.rank == 0 else None)
@@ -191,24 +196,29 @@ class RunKeeper:
         append_record(c.results, {**record, "model_sha256": sha256(buffer.getvalue())},
                       then=f"The model is saved in {c.save_model}, and {kept}.")
         self.checkpoints.remove_all()
-        if c.kind:
-            self.print(kind_line(c, self.init))
-        if not c.whole:
-            self.print(f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; "
-                       "plot_results.py and 08 leave it out unless asked.")
-        self.print(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
+        self.print(last_lines(c, self.init))
 
 
 class Figures:
-    """The run's figures so far, kept in each checkpoint and restored by --resume: the epochs and
-    optimizer steps done, each epoch's mean loss, validation accuracy and learning rate, the
+    """The run's figures so far, kept in each checkpoint and restored by --resume: the epochs done,
+    the batches the loader handed out (micro-batches in 12-14) and the optimizer steps, each epoch's mean loss, validation accuracy and learning rate, the
     timing before a --resume, each checkpoint's seconds and the peak memory before its writes."""
 
     def __init__(self):
-        self.epochs_done, self.steps, self.resumed = 0, 0, False
+        self.epochs_done, self.batches_loaded, self.optimizer_steps, self.resumed = 0, 0, 0, False
         self.train_loss, self.val_acc, self.lr, self.checkpoint_s = [], [], [], []
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.peak_gb = 0.0
+
+    def count(self, stepped):
+        """One more batch loaded, and whether it ended an optimizer step."""
+        self.batches_loaded += 1
+        self.optimizer_steps += stepped
+
+    def training_s(self, elapsed_s):
+        """The talk's time, training with its per-epoch validation, out of `elapsed_s` of the loop:
+        less this process's checkpoint writes, which the talk never made (kept in checkpoint_s)."""
+        return elapsed_s - sum(self.checkpoint_s)
 
     def end_epoch(self, mean_loss, val_acc, lr):
         self.train_loss.append(mean_loss)
@@ -219,11 +229,14 @@ class Figures:
     def progress(self, totals, partial=None):
         """What a checkpoint keeps of them (with the totals so far, and where a stopped epoch was)."""
         return {"epochs_done": self.epochs_done, "batches_done": partial["batches"] if partial else 0,
-                "steps": self.steps, "train_loss": self.train_loss, "val_acc": self.val_acc,
+                "batches_loaded": self.batches_loaded, "optimizer_steps": self.optimizer_steps, "train_loss": self.train_loss, "val_acc": self.val_acc,
                 "lr": self.lr, **totals, "partial": partial}
 
     def restore(self, progress):
-        self.epochs_done, self.steps, self.resumed = progress["epochs_done"], progress["steps"], True
+        self.epochs_done, self.resumed = progress["epochs_done"], True
+        # a checkpoint written before these two were told apart: "steps", the batches loaded
+        self.batches_loaded = progress.get("batches_loaded", progress.get("steps", 0))
+        self.optimizer_steps = progress.get("optimizer_steps", self.batches_loaded)
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
         self.earlier = {k: progress[k] for k in self.earlier}
 
@@ -244,7 +257,8 @@ def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test
         "tensor_parallel_size": c.tensor_parallel, "precision": ran["precision"],
         "precision_asked": ran["precision_asked"], "strategy": strategy,
         "model": "smoke ViT" if c.smoke else c.vit, "epochs": c.epochs, "batch_size": c.batch_size,
-        "micro_batches": c.micro_batches, "seed": c.seed, "max_steps": c.max_steps, "steps": figures.steps,
+        "micro_batches": c.micro_batches, "seed": c.seed, "max_steps": c.max_steps,
+        "batches_loaded": figures.batches_loaded, "optimizer_steps": figures.optimizer_steps,
         "train_time_s": round(totals["train_time_s"], 3),
         "images_per_s": None if images_per_s is None else round(images_per_s, 2),
         "timed_images": int(totals["timed_images"]), "timed_seconds": round(totals["timed_seconds"], 3),
@@ -332,13 +346,32 @@ def what_is_kept(config, folder):
     return f"the checkpoint of the finished training is kept in {folder}: once there is room, finish the run with: {resume_command()}"
 
 
-def closing_lines(train_time_s, memory_gb, images_per_s, test_acc):
-    """The talk's closing lines (its time and memory, then ours: throughput, accuracy)."""
+def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited=0.0):
+    """The talk's closing lines (its time and memory, then ours: throughput, accuracy), and a
+    last one where the run had to share the CPU's cores (`waited` over BUSY_WAIT)."""
+    busy = [f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another "
+            "program was using the cores): its time and throughput are not comparable"]
     return "\n".join([f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB",
                       f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
                       f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
                       "optimizer steps and each epoch's first are not)",
-                      "Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"])
+                      "Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"]
+                     + busy * (waited > BUSY_WAIT))
+
+
+def resumed_epoch_line(first_batch, batches):
+    """Said after the epoch line of an epoch a --resume continued in its middle."""
+    return (f"(Train acc. above: batches {first_batch}-{batches - 1} of this epoch, since the --resume; "
+            "the loss and validation cover the whole epoch)")
+
+
+def last_lines(config, init):
+    """A finished run's last lines: what kind of run it was, cut short, where it is kept."""
+    c = config
+    return "\n".join([*([kind_line(c, init)] if c.kind else []),
+                      *([f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 "
+                         "leave it out unless asked."] if not c.whole else []),
+                      f"Run record appended to {c.results}; finetuned model saved to {c.save_model}"])
 
 
 def kind_line(config, init):
@@ -397,21 +430,21 @@ class StepMeter:
         loss = loss.detach().float()
         if self.epoch is None:  # the epoch's first batch
             zero = torch.zeros((), device=loss.device)
-            self.epoch = {"steps": 0, "loss": zero, "index": zero.clone(), "bad": zero - 1,
+            self.epoch = {"batches": 0, "loss": zero, "index": zero.clone(), "bad": zero - 1,
                           "bad_loss": zero.clone(), "timer": None, "timed": 0, "lr": lr}
         e = self.epoch
         first_bad = ~torch.isfinite(loss) & (e["bad"] < 0)
         e["bad"] = torch.where(first_bad, e["index"], e["bad"])
         e["bad_loss"] = torch.where(first_bad, loss, e["bad_loss"])
         e["loss"], e["index"] = e["loss"] + loss, e["index"] + 1
-        e["steps"] += 1
-        stepped = e["steps"] % self.micro_batches == 0
+        e["batches"] += 1
+        stepped = e["batches"] % self.micro_batches == 0
         self.session_steps += stepped
-        if e["steps"] % PRINT_EVERY == 1:
+        if e["batches"] % PRINT_EVERY == 1:
             self.stop_on_bad_loss(epoch_number)
         if e["timer"] is not None:
             e["timed"] += batch_size
-        if e["steps"] == self.steps_per_epoch and e["timer"] is not None:
+        if e["batches"] == self.steps_per_epoch and e["timer"] is not None:
             self.timed_images += e["timed"]
             self.timed_seconds += self.now() - e["timer"]
         elif e["timer"] is None and stepped and self.session_steps >= WARMUP_STEPS:
@@ -432,23 +465,27 @@ class StepMeter:
                 "timed_seconds": float(seconds) + earlier["timed_seconds"],
                 "train_time_s": earlier["train_time_s"] + train_time_s}
 
-    def partial(self):
-        """The epoch so far, for a checkpoint written mid-epoch (read back from the device)."""
+    def partial(self, fabric=None):
+        """The epoch so far, for a checkpoint written mid-epoch (read back from the device). Of
+        several processes, one checkpoint for all: the mean of their loss sums, which gives the
+        epoch's mean loss as theirs do (it is linear in them)."""
         e = self.epoch
-        return {"steps": e["steps"], "lr": e["lr"],
+        if fabric and fabric.world_size > 1:
+            return {**self.partial(), "loss": float(fabric.all_reduce(e["loss"].float().cpu(), reduce_op="mean"))}
+        return {"batches": e["batches"], "lr": e["lr"],
                 **{k: float(e[k]) for k in ("loss", "index", "bad", "bad_loss")}}
 
     def restore(self, partial):
         """The epoch so far as a checkpoint written mid-epoch kept it; its timing starts again."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
-                      "steps": partial["steps"], "lr": partial["lr"], "timer": None, "timed": 0}
+                      "batches": partial.get("batches", partial.get("steps")), "lr": partial["lr"], "timer": None, "timed": 0}
 
     def end_epoch(self, epoch_number):
         """The epoch's mean loss (a tensor on the CPU) and its learning rate; stops on a bad loss."""
         self.stop_on_bad_loss(epoch_number)
         e, self.epoch = self.epoch, None
-        return (e["loss"] / e["steps"]).cpu(), e["lr"]
+        return (e["loss"] / e["batches"]).cpu(), e["lr"]
 
     def now(self):
         if self.cuda:
@@ -462,7 +499,7 @@ class StepMeter:
                  f"{bad}: stopping; no checkpoint or record written for it.", code=1)
 
 
-def techniques(model, optimizer, fabric):
+def techniques(model, optimizer, fabric, scheduler=None):
     """What the memory arithmetic and the bare loop need that the precision and strategy do not
     say: the optimizer and its kernel (fused, foreach or a loop per parameter), whether blocks are
     checkpointed, the parallelize function, and the FSDP2 units and how many of them keep their
@@ -473,7 +510,36 @@ def techniques(model, optimizer, fabric):
     return {"optimizer": type(inner).__name__, "optimizer_kernel": optimizer_kernel(inner),
             "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
             "parallelize": getattr(parallelize, "__name__", None),
-            "fsdp2_units": units, "cpu_offload_units": offloaded}
+            "fsdp2_units": units, "cpu_offload_units": offloaded, "schedule": schedule_name(scheduler)}
+
+
+def scheduler_of(optimizer):
+    """The learning-rate scheduler made on `optimizer`, or None: found among what refers to the
+    optimizer, since a scheduler keeps the optimizer and not the other way round. So a script
+    need not hand its scheduler over (07's lesson has no line to spare for it) for the record to
+    name it and its checkpoints to keep it. Of a SequentialLR or ChainedScheduler, the outer one."""
+    import gc
+    from torch.optim.lr_scheduler import LRScheduler
+    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper, or the optimizer itself
+    found = []
+    for referrer in gc.get_referrers(optimizer, inner):
+        owners = gc.get_referrers(referrer) if isinstance(referrer, dict) else [referrer]  # an instance's __dict__
+        found += [o for o in owners if isinstance(o, LRScheduler) and o.optimizer in (optimizer, inner)]
+    nested = {id(s) for outer in found for s in getattr(outer, "_schedulers", [])}
+    outer = [s for s in found if id(s) not in nested]
+    return outer[0] if outer else None
+
+
+def schedule_name(scheduler):
+    """The schedule that ran, as its class names it ("none" without one): ExponentialLR,
+    CosineAnnealingLR, or 09's LambdaLR(warmup_then_cosine)."""
+    if scheduler is None:
+        return "none"
+    name = type(scheduler).__name__
+    if hasattr(scheduler, "lr_lambdas"):
+        name += f"({scheduler.lr_lambdas[0].__qualname__.split('.<locals>')[0]})"
+    inner = getattr(scheduler, "_schedulers", None)
+    return f"{name}({', '.join(map(schedule_name, inner))})" if inner else name
 
 
 def optimizer_kernel(optimizer):

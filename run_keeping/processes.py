@@ -23,6 +23,7 @@ import platform
 import re
 import resource
 import sys
+import time
 import warnings
 
 import torch
@@ -179,6 +180,39 @@ def share_cpu_threads(processes_here):
     GPUs). An OMP_NUM_THREADS the user set is kept."""
     if processes_here > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_here))
+
+
+# A run is marked busy when its computing thread spent more than this share of its ready time
+# waiting for a core (waiting_share). On an idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps
+# 20: 04 0.04%, 05 5.7% and 07 9.0% (two processes and their gloo threads on 2 cores); beside two
+# programs spinning on the cores: 04 49%, 07 50%, 2-4 times slower; beside one: 35%. A quarter is
+# over twice the most an idle machine showed, and under what one other busy program costs.
+BUSY_WAIT = 0.25
+
+
+def cpu_from():
+    """(seconds run, seconds waited for a core) of the calling thread so far, from Linux's
+    /proc/thread-self/schedstat; None where the kernel does not say (not Linux). The thread is
+    the one that computes (a script's main thread): the run's own helper threads (gloo's, the
+    loader's) would count its own work as waiting when its processes fill the cores, which a
+    multi-process run on a CPU does by design (07 --smoke's 2 processes on 2 idle cores: 27% over
+    all threads)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def waiting_share(since):
+    """The share of the time the calling thread was ready to run, since cpu_from() gave `since`,
+    that it spent waiting for a core; -1 where the kernel does not say."""
+    now = cpu_from()
+    if now is None or since is None:
+        return -1.0
+    ran, waited = now[0] - since[0], now[1] - since[1]
+    return waited / (waited + ran) if waited + ran > 0 else 0.0
 
 
 def native_bf16(device_type):

@@ -72,7 +72,7 @@ def test_mfu_and_ratios_in_the_rows():
     assert four["vs_bare"] == (0.75, 0.75, 0.9)
     assert four["images_per_s"] == (300, 270, 330)
     assert four["mfu"] == pytest.approx(300 * 105e9 / 989.5e12)
-    assert four["busy"] and "busy: its bare loops differ by 47%" in "\n".join(throughput.rows_table(list(rows.values())))
+    assert four["busy"] and "busy: bare loops of its settings differ by 47%" in "\n".join(throughput.rows_table(list(rows.values())))
     three = rows[("03_fabric-vit.py", None)]
     assert not three["busy"] and three["spread_bare"] == pytest.approx(1628 / 1475 - 1)
     assert three["noise"] and not four["noise"]  # 0.99-1.02 around 0.99: cannot be told from 1
@@ -81,6 +81,29 @@ def test_mfu_and_ratios_in_the_rows():
     assert bare["images_per_s"] == (400, 300, 440) and bare["mfu"] == pytest.approx(400 * 105e9 / 989.5e12)
     chosen, order = throughput.ranking(list(rows.values()))
     assert order == "04 > 01 = 03"
+
+
+def test_one_round_is_marked_busy_by_its_waits_or_by_alike_bare_loops_that_disagree():
+    """In a single round: a run whose threads waited for a core over BUSY_WAIT of their time, or
+    two configurations whose bare loops are of the same settings and disagree by over BUSY (the
+    768.8 against 93.5 images/s of one shared run), mark their rows busy; idle ones do not."""
+    args = benchmark.parse_args(["--repeat", "1"])
+
+    def one(script, rate, bare, waited=0.001):
+        records = round_records(script, "bf16-mixed", [rate])
+        records[0]["cpu_wait_share"] = waited
+        return {"records": records, "bares": [{"images_per_s": bare, "peak_memory_gb": 1.0, "cpu_wait_share": 0.002}]}
+
+    idle = {("04_fabric-vit-mixed-precision.py", 16): one("04_fabric-vit-mixed-precision.py", 300, 768.8)}
+    assert not throughput.rows_of(idle, 1e9, args)[0]["busy"]
+    shared = {**idle, ("05_fabric-vit-mixed-ddp.py", 16): one("05_fabric-vit-mixed-ddp.py", 40, 93.5)}
+    rows = throughput.rows_of(shared, 1e9, args)  # 05 on one process: the same bare loop as 04's
+    assert all(r["busy"] for r in rows if r["script"] != "bare loop")
+    assert "busy: bare loops of its settings differ by 722%" in "\n".join(throughput.rows_table(rows))
+    waited = {("04_fabric-vit-mixed-precision.py", 16): one("04_fabric-vit-mixed-precision.py", 40, 93.5, waited=0.5)}
+    rows = throughput.rows_of(waited, 1e9, args)
+    assert rows[0]["busy"] and "busy: its runs waited for a CPU core 50% of their time" in throughput.busy_note(rows[0])
+    assert any("BUSY MACHINE" in line for line in throughput.verdict(rows, args, "CPU"))
 
 
 @pytest.mark.parametrize("rates, told_apart", [
@@ -110,7 +133,7 @@ def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
     lines = throughput.verdict(throughput.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
     text = "\n".join(lines)
     assert "From fastest to slowest (one process, batch 16; >: faster in every round" in text and ": 01 > 04." in text
-    assert "BUSY MACHINE: the bare loops of one configuration ran up to 102% apart" in text
+    assert "BUSY MACHINE (busy: bare loops of its settings differ by 102% (01))" in text
     assert f"--repeat {2 * args.repeat} --max-steps {2 * args.max_steps}" in text
     assert "What it cannot say: anything about a GPU" in text and "mostly its libraries" in text
 

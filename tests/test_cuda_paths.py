@@ -99,7 +99,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
 
     keeper, model, optimizer = keeper_and_model()
     for _ in range(steps):
-        keeper.step(torch.tensor(1.0), batch_size=4)
+        keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 2 and cuda.count("reset_peak_memory_stats") == 1
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     assert cuda.count("get_rng_state") == 3  # the first epoch's start, the checkpoint's, the next's
@@ -109,7 +109,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     keeper, model, optimizer = keeper_and_model()
     assert ("set_rng_state", [1, 2, 3]) in cuda.calls
     for _ in range(steps):
-        keeper.step(torch.tensor(1.0), batch_size=4)
+        keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 4 and cuda.count("reset_peak_memory_stats") == 2
     keeper.checkpoint(1, model, optimizer, val_acc=0.6)
     keeper.finish(1.0, 0.9, model)

@@ -130,6 +130,8 @@ ELSEWHERE = {  # why a documented command does not run here, and what runs it or
                          "the checkout as it was",
     "bash gpu_check.sh --smoke": "test_benchmark.py: within a minute's --minutes, with a configuration made to fail, "
                                  "and killed in the middle",
+    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt":
+        "PyTorch's own package index, which CI does not reach; the rest is this suite's install",
     "bash tools/check_stack.sh minimums": "several GB of downloads", "bash tools/check_stack.sh h200": "several GB of downloads",
 }
 

@@ -88,6 +88,7 @@ def test_the_gpu_path_runs_on_a_cpu(smoke_runs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_records(whole / "results" / "runs.jsonl")[-1]
     assert record["compiled"] is True and record["test_acc"] >= 0.85
+    assert record["schedule"] == "LambdaLR(warmup_then_cosine)"
     assert (record["precision"], record["precision_asked"]) == ("bf16-mixed" if native_bf16() else "32-true", "bf16-mixed")
     lr = record["lr"]  # each epoch's first step: at most one epoch of warm-up, then decaying
     peak = lr.index(max(lr))

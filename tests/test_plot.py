@@ -220,9 +220,39 @@ def test_the_title_and_legend_fit_and_say_only_what_is_drawn(count):
     assert figure_box.x0 <= title.x0 and title.x1 <= figure_box.x1, (title, figure_box)
     assert title.y1 <= figure_box.y1
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert legend[0] == "ours (smoke)" and not any("several seeds" in t for t in legend)
+    assert legend == ["ours (smoke: 3-layer ViT on 8x8 digits)"]  # one run each, no talk bars
     axes_top = max(ax.get_window_extent().y1 for ax in fig.axes)
     assert axes_top <= title.y0 + 1  # the panels start below the title
+
+
+@pytest.mark.parametrize("kind", ["smoke", "synthetic", "smoke-synthetic"])
+def test_only_full_runs_share_an_axis_with_the_talk(kind):
+    """A smoke or synthetic bar (another model, data and machine) is never drawn beside the talk's
+    GPU bars; each panel with a talk column says why it is not drawn; full runs have them."""
+    full = plot_results.figure(fake_records(), lessons(), "full")
+    hatched = [ax.get_title() for ax in full.axes if any(p.get_hatch() for p in ax.patches)]
+    assert len(hatched) == 3  # time, accuracy, memory: the talk publishes no throughput
+    records = {key: dict(r, kind=kind) for key, r in fake_records().items()}
+    fig = plot_results.figure(records, lessons(), kind)
+    assert not any(p.get_hatch() for ax in fig.axes for p in ax.patches)
+    notes = [t.get_text() for ax in fig.axes for t in ax.texts if t.get_text().startswith("talk:")]
+    assert notes.count(f"talk: not drawn beside {kind} runs (another model, data and machine)") == 3
+    assert "Talk (hatched)" not in fig._suptitle.get_text()
+
+
+def test_a_busy_run_is_marked_in_the_chart_and_the_table(tmp_path):
+    """A run whose record says another program shared the CPU is marked in its label, the title
+    and the table's settings."""
+    records = fake_records()
+    busy = next(r for r in records.values() if r["script"].startswith("04"))
+    busy["busy"] = True
+    assert "BUSY: shared CPU" in plot_results.short_label(busy, lessons())
+    fig = plot_results.figure(records, lessons(), "full")
+    assert "BUSY (another program shared the CPU; times not comparable): 04" in fig._suptitle.get_text()
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    proc = plot_here("--results", str(path), "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    assert table_rows(proc.stdout)["04_fabric-vit-mixed-precision.py"][-1].endswith("BUSY: shared CPU")
 
 
 def test_a_panel_without_data_says_so():

@@ -97,7 +97,7 @@ def test_killed_then_resumed_equals_uninterrupted(smoke_runs, tmp_path):
     assert all(abs(a - b) * 240 <= may_flip + 1e-9 for a, b in zip(record["val_acc"], baseline["val_acc"]))
     assert abs(record["test_acc"] - baseline["test_acc"]) * 360 <= may_flip + 1e-9, may_flip
     assert record["lr"] == baseline["lr"]
-    assert record["steps"] == baseline["steps"]
+    assert (record["batches_loaded"], record["optimizer_steps"]) == (baseline["batches_loaded"], baseline["optimizer_steps"])
     assert record["train_time_s"] > 0
     assert not ckpt_dir.exists()  # finished: nothing left to resume
 
@@ -171,9 +171,10 @@ def test_a_signal_mid_epoch_saves_where_the_run_is(smoke_runs, tmp_path, script,
     signalled; 14 after an optimizer step, never between its micro-batches) and ends in one line
     naming it and the exact command that continues the run, with the documented exit code, no
     traceback, the records untouched. That command, run as printed, goes on from that batch:
-    the finished run equals an uninterrupted one, its schedule too."""
+    the finished run equals an uninterrupted one, its schedule too; the resumed epoch's lines
+    count on from the stop."""
     baseline = smoke_runs(script).record
-    per_epoch = baseline["steps"] // baseline["epochs"]  # batches (14: micro-batches) an epoch
+    per_epoch = baseline["batches_loaded"] // baseline["epochs"]  # batches (14: micro-batches) an epoch
     micro = baseline["micro_batches"]
     signalled = (100 - per_epoch // micro) * micro  # where the 100th optimizer step is in epoch 2
     results = tmp_path / "results" / "runs.jsonl"
@@ -201,12 +202,17 @@ def test_a_signal_mid_epoch_saves_where_the_run_is(smoke_runs, tmp_path, script,
                              env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"1 of 2 epochs done and {latest['batches_done']} of {per_epoch} batches of the next" in resumed.stdout
+    # the epoch reads as one: its batch count goes on from the stop (no second "Batch 0000" line
+    # for it), and its train accuracy, which counts only the batches since, says so
+    assert "Epoch: 0002/0002 | Batch 0000/" not in resumed.stdout
+    assert (f"(Train acc. above: batches {latest['batches_done']}-{per_epoch - 1} of this epoch, since "
+            "the --resume; the loss and validation cover the whole epoch)") in resumed.stdout
     record = read_records(results)[-1]
     assert record["resumed"] and not ckpt_dir.exists()
     # the same maths in the same order (05: the two processes' loss sums so far are kept as their
     # mean, which changes only where float32 rounds the sum: a few ulps)
     assert record["train_loss"] == pytest.approx(baseline["train_loss"], rel=1e-6)
-    for key in ("val_acc", "test_acc", "lr", "steps", "lr_end"):
+    for key in ("val_acc", "test_acc", "lr", "batches_loaded", "optimizer_steps", "schedule", "lr_end"):
         assert record[key] == baseline[key], key
 
 
@@ -337,7 +343,7 @@ def keeper_after_steps(args, losses, model=None, optimizer=None):
     keeper = RunKeeper(args)
     keeper.resume(model, optimizer, train_loader=[None] * len(losses))
     for loss in losses:
-        keeper.step(torch.tensor(loss), batch_size=4)
+        keeper.batch_done(torch.tensor(loss), batch_size=4)
     return keeper, model, optimizer
 
 
@@ -482,6 +488,57 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     assert "corrupt" in capsys.readouterr().err
 
 
+def test_a_damaged_checkpoint_names_the_start_over_that_leaves_no_empty_folder(parse, tmp_path, capsys):
+    """A truncated checkpoint in the default folder: the one line gives the command that starts
+    over; where that new run stops before its first checkpoint (here: exits at once), nothing of
+    checkpoints/ is left; run as printed, it starts the run afresh."""
+    args = parse("--max-steps", "2")
+    write_checkpoint(args)
+    folder = tmp_path / "checkpoints" / "01_pytorch-vit-smoke-max-steps2"
+    checkpoint = next(folder.glob("epoch-*.ckpt"))
+    checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
+    args = parse("--max-steps", "2", "--resume")
+    with pytest.raises(SystemExit) as exit_info:
+        RunKeeper(args).resume(*model_and_optimizer(args), train_loader=[])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    command = err.split("; start over with: ")[1]
+    assert command == ("rm -rf checkpoints/01_pytorch-vit-smoke-max-steps2 && rmdir checkpoints 2>/dev/null; "
+                       "python 01_pytorch-vit.py --smoke --max-steps 2"), command
+    stopped = subprocess.run(["bash", "-c", command.replace("python ", "exit 130 #", 1)], cwd=tmp_path)
+    assert stopped.returncode == 130 and not (tmp_path / "checkpoints").exists()
+    started = subprocess.run(["bash", "-c", command.replace("python 01", f"{sys.executable} {ROOT}/01", 1)],
+                             cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
+    assert started.returncode == 0, started.stderr[-2000:]
+    assert read_records(tmp_path / "results" / "runs.jsonl")[-1]["resumed"] is False
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("restart, run_id, continues", [
+    ("1", "run-a", True),    # torchrun restarted the run's workers: it goes on from its checkpoint
+    ("0", "run-a", False),   # its first start: a fresh run is refused over an unfinished one
+    ("1", "run-b", False),   # another torchrun job's restart is not this run's
+])
+def test_a_torchrun_restart_continues_its_run(parse, tmp_path, monkeypatch, capsys, restart, run_id, continues):
+    """Workers that torchrun starts again (TORCHELASTIC_RESTART_COUNT over 0, the same run id as
+    the checkpoint's) continue the run without --resume; anything else is refused in one line."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+    write_checkpoint(parse())  # after one epoch, by a process torchrun started as run-a
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
+    args = parse()
+    if not continues:
+        with pytest.raises(SystemExit) as exit_info:
+            RunKeeper(args)
+        assert exit_info.value.code == 2 and "holds the checkpoint of an unfinished run" in capsys.readouterr().err
+        return
+    keeper = RunKeeper(args)
+    assert keeper.resume(*model_and_optimizer(args), train_loader=[None] * 4) == 1  # epoch 2 is next
+    out = capsys.readouterr().out
+    assert f"torchrun restarted its workers (restart 1): continuing the run in {args.checkpoint_dir}" in out
+    ended(keeper)
+
+
 def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     ck = str(tmp_path / "ck")
     args = parse("--checkpoint-dir", ck)
@@ -499,7 +556,8 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert (resumed.start_epoch, resumed.figures.train_loss, resumed.figures.val_acc, resumed.figures.lr) == \
         (1, [3.0], [0.5], [5e-5])
-    assert resumed.figures.steps == 2 and resumed.figures.earlier["train_time_s"] > 0
+    assert (resumed.figures.batches_loaded, resumed.figures.optimizer_steps) == (2, 2)
+    assert resumed.figures.earlier["train_time_s"] > 0
 
 
 def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
@@ -514,7 +572,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     model.module.conv_proj.weight.data.fill_(0.25)
     keeper = RunKeeper(args, fabric)
     keeper.resume(model, optimizer, train_loader=[None])
-    keeper.step(torch.tensor(1.0), batch_size=4)
+    keeper.batch_done(torch.tensor(1.0), batch_size=4)
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
     ended(keeper)
     args = parse("--resume", "--checkpoint-dir", str(tmp_path / "ck"))
@@ -554,7 +612,7 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
         real(fd, bytes(data)[:len(data) // 2])
         raise KeyboardInterrupt  # not an error the writer handles: as if the process died
     monkeypatch.setattr(os, "write", killed_halfway)
-    keeper.step(torch.tensor(1.0), batch_size=4)
+    keeper.batch_done(torch.tensor(1.0), batch_size=4)
     with pytest.raises(KeyboardInterrupt):
         keeper.checkpoint(1, model, optimizer, val_acc=0.6)
     monkeypatch.setattr(os, "write", real)

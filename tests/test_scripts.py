@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import native_bf16, read_records, ROOT, SCRIPTS, script_env
-from run_keeping.processes import FALLBACKS
+from conftest import native_bf16, read_records, ROOT, run_script, SCRIPTS, script_env
+from run_keeping.processes import BUSY_WAIT, FALLBACKS
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
 BF16_TRUE = ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
@@ -19,10 +19,10 @@ BF16_TRUE = ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
 ACCUMULATING = BF16_TRUE[1:]
 RECORD_KEYS = {"script", "kind", "init", "data_parallel_size", "tensor_parallel_size", "smoke", "synthetic", "resumed", "accelerator", "device_name", "devices",
                "num_nodes", "world_size", "precision", "strategy", "epochs", "batch_size", "seed",
-               "steps", "train_time_s", "images_per_s", "peak_memory_gb", "train_loss", "lr",
+               "batches_loaded", "optimizer_steps", "schedule", "train_time_s", "images_per_s", "peak_memory_gb", "train_loss", "lr",
                "val_acc", "test_acc", "model_file", "parameters_per_process", "torch",
                "model", "micro_batches", "optimizer", "activation_checkpointing", "parallelize",
-               "peak_memory_gb_per_process",
+               "peak_memory_gb_per_process", "checkpoint_s", "cpu_wait_share", "busy",
                "torchvision", "lightning", "python", "timestamp"}
 BATCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Batch \d{4}/\d{4} \| Loss: \d+\.\d{4}$", re.M)
 EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val acc\.: \d+\.\d{2}%$",
@@ -77,6 +77,67 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
 
 
 @pytest.mark.slow
+def test_a_run_that_shares_the_cpu_says_so(tmp_path):
+    """Programs spinning on the cores beside a run (on purpose): its last lines and its record say
+    it waited for a core (run_keeping/processes.py: BUSY_WAIT), so its time is not taken for a
+    quiet machine's. Each spinner has a session of its own, as a program started from another
+    terminal has: Linux shares the cores among sessions (autogroup), so twice as many spinners as
+    cores leave the run's session a fifth of 2 cores (measured: 60% of its time waiting)."""
+    spin = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 120\n"
+                              "while time.time() < end: pass"], start_new_session=True)
+            for _ in range(2 * (os.cpu_count() or 2))]
+    try:
+        proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", "--max-steps", "40", cwd=tmp_path)
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert record["busy"] is True and record["cpu_wait_share"] > BUSY_WAIT, (record["cpu_wait_share"], record["train_time_s"])
+    last = proc.stdout.strip().splitlines()[-6:]
+    assert any(line.startswith(f"BUSY: this run waited for a CPU core {record['cpu_wait_share']:.0%}")
+               and line.endswith("its time and throughput are not comparable") for line in last), last
+
+
+def test_a_sleeping_thread_does_not_wait_for_a_core():
+    """The measure's idle side: time spent asleep (not ready to run) is no wait for a core."""
+    from run_keeping.processes import BUSY_WAIT, cpu_from, waiting_share
+    since = cpu_from()
+    time.sleep(0.5)
+    share = waiting_share(since)
+    assert share == -1.0 or 0 <= share < BUSY_WAIT  # -1: a kernel that does not say (not Linux)
+
+
+SLOW_CHECKPOINTS = """
+import time
+from run_keeping import checkpoints
+save = checkpoints.Checkpoints.save
+def slow_save(self, *args, **kwargs):
+    time.sleep(6)
+    return save(self, *args, **kwargs) + 6
+checkpoints.Checkpoints.save = slow_save
+"""
+
+
+@pytest.mark.slow
+def test_the_printed_time_leaves_out_the_checkpoint_writes(tmp_path):
+    """"Time elapsed" and train_time_s are the talk's: training with its per-epoch validation.
+    Each of the 2 checkpoint writes is made 6 s slower here: they are in checkpoint_s, and not in
+    the time (2 epochs of 2 steps take well under the 12 s they would add)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_CHECKPOINTS)
+    env = script_env(tmp_path, PYTHONPATH=str(site))
+    proc = run_script("04_fabric-vit-mixed-precision.py", "--smoke", "--max-steps", "2", cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert len(record["checkpoint_s"]) == 2 and min(record["checkpoint_s"]) >= 6
+    assert record["train_time_s"] < 6
+    assert f"Time elapsed {record['train_time_s'] / 60:.2f} min" in proc.stdout
+
+
+@pytest.mark.slow
 def test_records_say_what_ran(smoke_runs):
     expected = {  # script: (precision, strategy, world size)
         "01_pytorch-vit.py": ("32-true", "single-device", 1),
@@ -99,6 +160,11 @@ def test_records_say_what_ran(smoke_runs):
         ran = asked if native_bf16() or asked == "32-true" else FALLBACKS[("cpu", asked, layout)]
         assert (record["precision"], record["precision_asked"], record["strategy"], record["world_size"]) == \
                (ran, asked, strategy, world_size), script
+    # the schedule that ran: 07 never hands its scheduler over, and its record names it all the same
+    schedules = {"07_fabric-vit-mixed-fsdp-with-scheduler.py": "ExponentialLR",  # 09's: test_fast_recipe.py
+                 "14_fabric-vit-sgd-cosine.py": "CosineAnnealingLR"}
+    for script in SCRIPTS:
+        assert smoke_runs(script).record["schedule"] == schedules.get(script, "none"), script
 
 
 @pytest.mark.slow
@@ -114,7 +180,8 @@ def test_the_cosine_schedule_counts_optimizer_steps(smoke_runs):
     the last (the sequel's T_max counted batches, so its schedule had hardly begun to fall when
     it ended)."""
     record = smoke_runs("14_fabric-vit-sgd-cosine.py").record
-    steps_per_epoch = record["steps"] // record["epochs"] // 4  # record["steps"]: micro-batches
+    steps_per_epoch = record["optimizer_steps"] // record["epochs"]
+    assert record["batches_loaded"] == 4 * record["optimizer_steps"]  # 4 micro-batches a step
     total = record["epochs"] * steps_per_epoch
     expected = [0.01 * (1 + math.cos(math.pi * k * steps_per_epoch / total)) / 2 for k in range(record["epochs"])]
     assert record["lr"] == pytest.approx(expected, rel=1e-6)
@@ -388,7 +455,7 @@ def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
 # The lines a forked run prints otherwise: its times and speed, which the machine's load moves, and
 # its peak memory, which counts only the pages of the libraries' files that the process itself
 # touches (a fresh one reads them all in as it loads; 0.92 against 0.61 GB for 01 here)
-MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput) .*$", re.M)
+MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput|BUSY:) .*$", re.M)
 
 
 @pytest.mark.slow
@@ -407,7 +474,7 @@ def test_a_forked_run_is_a_fresh_ones_run(smoke_runs, tmp_path):
     assert procs[0].returncode == 0, forked[-2000:]
     assert MEASURED.sub("", forked) == MEASURED.sub("", fresh.out)
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
-    for key in ("train_loss", "lr", "val_acc", "test_acc", "steps", "model_file", "model_sha256",
+    for key in ("train_loss", "lr", "val_acc", "test_acc", "batches_loaded", "optimizer_steps", "model_file", "model_sha256",
                 "python", "torch"):
         assert record[key] == fresh.record[key], key
     assert warm_starts().fits(script_env(tmp_path))  # the runs below are forked too

@@ -117,7 +117,7 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     continued, uninterrupted = read_records(work / "results" / "runs.jsonl")[-1], smoke_runs("06_fabric-vit-mixed-fsdp.py").record
     assert (continued["resumed"], continued["launcher"], continued["world_size"]) == (True, "SLURMEnvironment", 2)
     assert continued["train_loss"] == pytest.approx(uninterrupted["train_loss"], rel=1e-6)
-    for key in ("val_acc", "test_acc", "lr", "steps"):
+    for key in ("val_acc", "test_acc", "lr", "batches_loaded", "optimizer_steps"):
         assert continued[key] == uninterrupted[key], key
 
     # task counts that are not the flags': one line from the first task, exit 2

@@ -43,7 +43,7 @@ def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
     assert (tp1["tensor_parallel_size"], tp1["data_parallel_size"], tp1["world_size"]) == (1, 1, 1)
     # both processes of the pair train on the same batch of 16: as many steps as one process
     assert tp2["batch_size"] == tp1["batch_size"] == SMOKE_GLOBAL_BATCH
-    assert tp2["steps"] == tp1["steps"] == tp1["epochs"] * (1197 // SMOKE_GLOBAL_BATCH)
+    assert tp2["optimizer_steps"] == tp1["optimizer_steps"] == tp1["epochs"] * (1197 // SMOKE_GLOBAL_BATCH)
     assert len(tp2["train_loss"]) == len(tp1["train_loss"]) == tp1["epochs"]
     for a, b in zip(tp2["train_loss"], tp1["train_loss"]):
         assert abs(a - b) <= LOSS_TOLERANCE * b, (tp2["train_loss"], tp1["train_loss"])
@@ -85,7 +85,7 @@ def test_two_tensor_parallel_pairs_split_the_batch_between_them(tmp_path):
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
     assert (record["tensor_parallel_size"], record["data_parallel_size"], record["world_size"],
             record["batch_size"]) == (2, 2, 4, 8)
-    assert record["steps"] == 8
+    assert record["optimizer_steps"] == record["batches_loaded"] == 8
     assert record["timed_images"] == (8 - 3) * 16  # after the 3 untimed steps, 16 images a step
     held = record["parameters_per_process"]
     total, held_tp2 = smoke_parameters()

@@ -98,7 +98,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
 
     def run_printed(command, env=env):
         return subprocess.run(["bash", "-c", command.replace("python", shlex.quote(sys.executable), 1)
-                               .replace("&& python", f"&& {shlex.quote(sys.executable)}")],
+                               .replace("; python", f"; {shlex.quote(sys.executable)}")],
                               cwd=here, env=env, capture_output=True, text=True, timeout=240)
 
     first = subprocess.run([sys.executable, str(script), "--smoke", "--checkpoint-dir", "ck pts/a b"],
@@ -110,7 +110,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     assert fresh.returncode == 2 and "holds the checkpoint of an unfinished run" in fresh.stderr
     assert printed(fresh.stderr, "continue it with: ") == go_on
     over = fresh.stderr.split("or start over with: ")[1].strip()
-    assert over == f"rm -rf 'ck pts/a b' && python '{script}' --smoke --checkpoint-dir 'ck pts/a b'", over
+    assert over == f"rm -rf 'ck pts/a b'; python '{script}' --smoke --checkpoint-dir 'ck pts/a b'", over
 
     resumed = run_printed(go_on)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -118,8 +118,8 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     record, baseline = read_records(here / "results" / "runs.jsonl")[-1], smoke_runs("01_pytorch-vit.py").record
     assert record["resumed"] is True
     assert record["train_loss"] == pytest.approx(baseline["train_loss"], rel=1e-6)  # one process: exact
-    assert (record["val_acc"], record["test_acc"], record["lr"], record["steps"]) == \
-        (baseline["val_acc"], baseline["test_acc"], baseline["lr"], baseline["steps"])
+    assert (record["val_acc"], record["test_acc"], record["lr"], record["optimizer_steps"]) == \
+        (baseline["val_acc"], baseline["test_acc"], baseline["lr"], baseline["optimizer_steps"])
     started_over = run_printed(over)  # after the run it would have dropped has finished: a fresh one
     assert started_over.returncode == 0, started_over.stderr[-2000:]
     assert read_records(here / "results" / "runs.jsonl")[-1]["resumed"] is False

@@ -54,6 +54,25 @@ def test_a_failed_record_append_leaves_the_earlier_records(tmp_path, monkeypatch
     assert path.read_text() == EARLIER  # the half-written line is cut off again
 
 
+def test_a_record_waits_for_the_lock_of_another_appender(tmp_path):
+    """Appending takes the file's lock first: while another appender holds it (a run in another
+    process), the record waits, and goes in after the lock is let go."""
+    import fcntl
+    import threading
+    path = tmp_path / "runs.jsonl"
+    path.write_text(EARLIER)
+    with open(path, "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)  # a separate open file: flock holds it against this process too
+        appending = threading.Thread(target=append_record, args=(path, {"script": "01_pytorch-vit.py"}))
+        appending.start()
+        appending.join(timeout=0.5)
+        assert appending.is_alive() and path.read_text() == EARLIER  # still waiting for the lock
+        fcntl.flock(other, fcntl.LOCK_UN)
+    appending.join(timeout=10)
+    assert not appending.is_alive()
+    assert path.read_text() == EARLIER + '{"script": "01_pytorch-vit.py"}\n'
+
+
 def test_a_record_is_one_write(tmp_path, monkeypatch):
     path = tmp_path / "runs.jsonl"
     path.write_text(EARLIER)

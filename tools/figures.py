@@ -197,53 +197,15 @@ def run_machine(r):
     return f"at {r['commit']}, {machine}{speed}{capped}"
 
 
-def suite_run(r):
-    """One run of the whole suite as a sentence says it: how many tests, how long, what ran it."""
-    minutes = f"{int(r['seconds'] // 60)} min {int(round(r['seconds'] % 60))} s"
-    outcome = ", ".join(f"{r[k]} {k}" for k in ("passed", "failed", "skipped") if r.get(k))
-    return f"{r['tests']} tests in {minutes} ({outcome + '; ' if outcome else ''}{run_machine(r)})"
-
-
-def suite_runs():
-    """The runs of the whole suite and of its quick tier in the 24 hours up to the newest (a day of
-    work, which UTC's midnight may cut in two), and the dates they span."""
-    runs = read_records(REFERENCE / "test-suite-runs.jsonl")
-    stamp = lambda r: datetime.fromisoformat(r["timestamp"]).timestamp()  # noqa: E731
-    newest = max(stamp(r) for r in runs)
-    day = sorted((r for r in runs if newest - stamp(r) <= 24 * 3600), key=stamp)
-    dates = " to ".join(dict.fromkeys(r["timestamp"][:10] for r in day))
-    return dates, [r for r in day if r["tier"] == "all"], [r for r in day if r["tier"] == "quick"]
-
-
 def suite_time():
-    """docs/tests.md: how long the tests took, as measured from clean clones: the last day's runs,
-    each with its commit, its outcome, its machine and how it was run where that differs."""
-    newest, full, quick = suite_runs()
-    said = [suite_run(r) + (f": {r['note']}" if r.get("note") else "") for r in full]
-    quick_times = "; ".join(f"{r['seconds']:.0f} s ({run_machine(r)})" for r in quick)
-    return "\n".join([f"From clean clones with torch.compile's cache empty ({newest}, "
-                      "`reference/test-suite-runs.jsonl`):", "", *[f"- {line}" for line in said],
-                      f"- the quick tier, {quick[-1]['tests']} tests: {quick_times}"])
-
-
-def suite_cpu():
-    """docs/tests.md: where one run's CPU time went, by the script or tool each process ran."""
-    run = json.loads((REFERENCE / "test-suite-cpu.json").read_text())
-    rows, total = run["rows"], sum(r["cpu_s"] for r in run["rows"])
-    rest = rows[10:]
-    shown = rows[:10] + [{"what": f"the other {len(rest)}", "processes": sum(r["processes"] for r in rest),
-                          "cpu_s": sum(r["cpu_s"] for r in rest)}]
-    cells = [[r["what"], str(r["processes"]), f"{r['cpu_s']:.0f}", f"{100 * r['cpu_s'] / total:.0f}%"] for r in shown]
-    return "\n".join([f"Where the CPU time of the run at {run['commit']} went ({total:.0f} CPU seconds in "
-                      f"{run['seconds'] / 60:.0f} minutes on {when([run])}; `reference/test-suite-cpu.json`):", "",
-                      *markdown_table(["process", "processes", "CPU s", "share"], cells)])
-
-
-def suite_time_newest():
-    """The README: the newest run of the whole suite and of the quick tier, in one line."""
-    newest, full, quick = suite_runs()
-    return (f"{suite_run(full[-1])}, {newest}, from a clean clone with torch.compile's cache empty; the quick "
-            f"tier in {quick[-1]['seconds']:.0f} s. [docs/tests.md](docs/tests.md) has every run and why they differ.")
+    """docs/tests.md: the newest run of the whole suite and of its quick tier, in one line."""
+    runs = read_records(REFERENCE / "test-suite-runs.jsonl")
+    full, quick = ([r for r in runs if r["tier"] == tier][-1] for tier in ("all", "quick"))
+    minutes = f"{int(full['seconds'] // 60)} min {int(round(full['seconds'] % 60))} s"
+    outcome = ", ".join(f"{full[k]} {k}" for k in ("passed", "failed", "skipped") if full.get(k))
+    return (f"The whole suite: {full['tests']} tests in {minutes} ({outcome}), the quick tier in "
+            f"{quick['seconds']:.0f} s, from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
+            f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
 
 
 def smoke_weights():
@@ -416,7 +378,7 @@ BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "g
           "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-talk-h200": memory_talk_h200, "memory-sequel": memory_sequel,
           "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
           "throughput-smoke-repeats": throughput_smoke_repeats,
-          "suite-time": suite_time, "suite-time-newest": suite_time_newest, "suite-cpu": suite_cpu, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
+          "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
 
 
 def rewritten(text):
