@@ -2,7 +2,7 @@
 torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
 before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
 changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
-figures and each script's change are in talk_reference.csv.
+figures and each script's change are in lessons.csv.
 
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU

@@ -18,12 +18,11 @@ GPU in order of value within a time limit. Each script run appends its record (s
 row saying why; the others go on, and the exit code is 6.
 """
 import argparse
-import sys
 import tempfile
 import time
 
 from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.config import WARMUP_STEPS, Parser, check_path, whole_number
+from run_keeping.config import WARMUP_STEPS, Parser, chart_command, check_path, whole_number
 from run_keeping.files import write_report
 import torch
 
@@ -59,9 +58,9 @@ def parse_args(argv=None):
     add("--peaks", action="store_true", help="print the peak table and exit")
     add("--no-bare", action="store_true", help="skip the bare-loop rows")
     add("--loader-images", type=whole_number(0), default=None, metavar="N",
-        help="images for the input-pipeline rate (0 skips it; default 2000; gpu_check.sh: 4000, 400 at smoke size)")
+        help="images for the input-pipeline rate (0 skips it; default 2000)")
     add("--loader-workers", nargs="+", type=whole_number(0, 64), default=None, metavar="N",
-        help="worker counts to time the loader with (default 0 1 2 4; gpu_check.sh: 0 1 2 4 8)")
+        help="worker counts to time the loader with (default 0 1 2 4)")
     add("--memory", action="store_true", help="memory per process by model and strategy (synthetic "
         "steps), beside the arithmetic; a chart too")
     add("--memory-models", nargs="+", default=None, choices=list(memory.MEMORY_MODELS), metavar="MODEL",
@@ -71,9 +70,6 @@ def parse_args(argv=None):
         "as it is at 224x224, batch 16 (docs/benchmarks.md)")
     add("--sequel", action="store_true", help="with --memory: the memory sequel's chain, 04 and "
         "11-15, on ViT-B/16 and ViT-L/16")
-    add("--gpu-check", action="store_true", help=argparse.SUPPRESS)  # gpu_check.sh's own mode
-    add("--minutes", type=whole_number(1, 600), default=8, metavar="N",
-        help="gpu_check.sh: the minutes it may take (default 8; the stages that fit, in order of value)")
     add("--bare-loop", help=argparse.SUPPRESS)  # internal: one bare run (JSON)
     add("--memory-run", nargs="+", help=argparse.SUPPRESS)  # internal
     return settle(parser.parse_args(argv), parser)
@@ -95,9 +91,8 @@ def settle(args, parser):
     args.scripts = args.scripts or (throughput.SMOKE_SCRIPTS if args.smoke else [n for n in SCRIPTS if n != "00"])
     args.repeat_given, args.repeat = args.repeat is not None, args.repeat or throughput.REPEAT
     args.max_steps = args.max_steps or throughput.STEPS["smoke" if args.smoke else "full"]
-    if args.loader_images is None:
-        args.loader_images = (400 if args.smoke else 4000) if args.gpu_check else 2000
-    args.loader_workers = args.loader_workers or ([0, 1, 2, 4, 8] if args.gpu_check else [0, 1, 2, 4])
+    args.loader_images = 2000 if args.loader_images is None else args.loader_images
+    args.loader_workers = args.loader_workers or [0, 1, 2, 4]
     args.runs = []
     for spec in args.scripts:
         number, _, batch = spec.partition("@")
@@ -142,9 +137,6 @@ def main(argv=None):
         return memory.memory_run(args)
     if args.peaks:
         return print("\n".join(peaks.peaks_table()))
-    if args.gpu_check:
-        from benchmarks import gpu_check
-        sys.exit(gpu_check.main(args))
     if args.memory:
         text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else \
             (*memory.memory_report(args), 0)
@@ -157,7 +149,6 @@ def main(argv=None):
     if chart:
         print(f"Chart written to {chart}")
     if not args.memory:
-        from plot_results import chart_command
         print(f"Records appended to {args.results} (chart them with: "
               f"{chart_command('smoke-synthetic' if args.smoke else 'synthetic', args.results)})")
     if failed:

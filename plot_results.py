@@ -14,14 +14,13 @@ throughput, 01's training time divided by the script's (the same images in each 
 """
 import os
 import re
-import shlex
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
 
 from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.config import Parser, check_path, lessons
+from run_keeping.config import Parser, chart_command, check_path, lessons
 from run_keeping.files import read_records
 
 ROOT = Path(__file__).resolve().parent
@@ -38,14 +37,6 @@ CHARTS = [
 
 def warn(message):
     print(f"plot_results.py: {message}", file=sys.stderr)
-
-
-def chart_command(kind, results):
-    """The command that charts the `kind` runs in `results`: plot_results.py beside the program
-    that prints it, named as that program was invoked, so that it runs from the same folder."""
-    flags = "".join(f" --{k}" for k in kind.split("-") if k != "full")
-    where = "" if str(results) == "results/runs.jsonl" else f" --results {shlex.quote(str(results))}"
-    return f"python {shlex.quote(str(Path(sys.argv[0]).with_name('plot_results.py')))}{flags}{where}"
 
 
 def kind_of(record):

@@ -14,7 +14,6 @@ script that asks for it (it would run in float32, which is not its lesson), and 
 docs/benchmarks.md has the tables as measured.
 """
 import functools
-import re
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.runs import (ROOT, SCRIPTS, RunFailed, ask, make_strategy, memory_env, process_range, run,
+from benchmarks.runs import (SCRIPTS, RunFailed, ask, make_strategy, memory_env, process_range, run,
                              run_script, say)
 from run_keeping import leave
 from run_keeping.config import VITS, lessons
@@ -248,8 +247,6 @@ def memory_chart(rows, path, device):
 
 
 # -- --memory --talk and --sequel: the numbered scripts as they are ---------------------------------
-TALK_SCRIPTS = ["01", "02", "03", "04", "05", "06", "07", "10"]
-SEQUEL_SCRIPTS = ["04", "11", "12", "13", "14", "06", "15"]  # 15 branches from 06: CPU offload
 TALK_PROCESSES = 4   # the talk's 4 GPUs, for the scripts that take --devices (05-07, 10)
 SEQUEL_PROCESSES = 2  # 06 and 15 in --sequel: enough to shard, half the time on a CPU
 TALK_STEPS = 4      # 3 untimed, 1 timed; Adam's moments exist from the first, so 2-4 are the steady state
@@ -324,7 +321,7 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
         count = min(wanted, gpus)
         why = f"this machine has {gpus} GPU(s)"
     else:  # what n processes would hold by the arithmetic, with the libraries each imports
-        sharded = "fsdp" in (ROOT / SCRIPTS[number]).read_text()
+        sharded = "fsdp" in lessons()[SCRIPTS[number]]["strategy"]
 
         def need(n):
             record = dict(model=vit, precision="bf16-mixed", optimizer="Adam", batch_size=16,
@@ -341,16 +338,32 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
 
 
 def asks_bf16(number):
-    """The bf16 precision a script asks Fabric for, or None (from its source)."""
-    found = re.search(r'precision="(bf16-\w+)"', (ROOT / SCRIPTS[number]).read_text())
-    return found and found[1]
+    """The bf16 precision a script asks Fabric for, or None (lessons.csv)."""
+    precision = lessons()[SCRIPTS[number]]["precision"]
+    return precision if precision.startswith("bf16") else None
+
+
+def chain(table):
+    """The numbers of the lessons in a memory table ("talk" or "sequel", lessons.csv's
+    memory_chain), each step after the one it is measured against (its "against": 15 after 06)."""
+    rows = {script[:2]: row for script, row in lessons().items() if table in row["memory_chain"]}
+    before = {n: (row["against"] if row["against"] in rows else None) for n, row in rows.items()}
+    ordered = []
+
+    def add(number):
+        ordered.append(number)
+        for after in sorted(n for n, b in before.items() if b == number):
+            add(after)
+    for root in sorted(n for n, b in before.items() if b is None):
+        add(root)
+    return ordered
 
 
 def memory_plan(args, cuda, libraries, gpus=None):
     """([(vit, number, processes)] to run, notes): the scripts of --talk or --sequel (or
     --scripts) on each model, on the talk's processes where they fit (else fewer, said); on a CPU
     without native bfloat16, none that asks for it (one line says why and where to measure it)."""
-    scripts = args.memory_scripts or (SEQUEL_SCRIPTS if args.sequel else TALK_SCRIPTS)
+    scripts = args.memory_scripts or chain("sequel" if args.sequel else "talk")
     vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
         (list(VITS) if args.sequel else ["vit_b_16"])
     skipped = [n for n in scripts if asks_bf16(n)] if not cuda and not native_bf16("cpu") else []
@@ -473,11 +486,11 @@ TERMS = ["weights", "gradients", "optimizer", "autocast's bf16 weights", "DDP's 
 def staircase_lines(rows):
     """Each step of the sequel's chain against the one before it: what it saved, measured and by
     arithmetic; and the chain's whole saving on each model."""
-    chain = {"11": "04", "12": "11", "13": "12", "14": "13", "15": "06"}  # each step's "before"
+    against = {script[:2]: row["against"] for script, row in lessons().items() if "sequel" in row["memory_chain"]}
     by = {(r["vit"], r["number"]): r for r in rows}
     cells = []
     for (vit, number), r in by.items():
-        before = by.get((vit, chain.get(number)))
+        before = by.get((vit, against.get(number)))
         if before:
             saved, expected = before["less"] - r["less"], before["expected"] - r["expected"]
             cells.append([f"{before['number']} → {number}", VITS[vit], f"{before['less']:.2f}", f"{r['less']:.2f}",
@@ -488,7 +501,7 @@ def staircase_lines(rows):
     if lines:
         steps = [(f"{before['number']}→{r['number']} {VITS[r['vit']]}", (before["less"] - r["less"]) /
                   (before["expected"] - r["expected"])) for (vit, _), r in by.items()
-                 if (before := by.get((vit, chain.get(r["number"])))) and before["expected"] != r["expected"]]
+                 if (before := by.get((vit, against.get(r["number"])))) and before["expected"] != r["expected"]]
         off = [(name, ratio) for name, ratio in steps if abs(ratio - 1) > 0.15]
         far = ", ".join(f"{name} ({ratio:.2f})" for name, ratio in off) or "none"
         lines.append(f"\n- Savings within 15% of their arithmetic: {len(steps) - len(off)} of "

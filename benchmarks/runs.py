@@ -12,9 +12,17 @@ import time
 from pathlib import Path
 
 from run_keeping import first_sentence
+from run_keeping.config import lessons
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = {path.name[:2]: path.name for path in sorted(ROOT.glob("[01][0-9]_*.py")) if path.name[:2] != "08"}
+
+
+def training_lessons():
+    """{number: script} of every lesson that trains (all but 08), from lessons.csv."""
+    return {script[:2]: script for script, row in lessons().items() if row["epochs"]}
+
+
+SCRIPTS = training_lessons()
 # glibc raises its mmap threshold after each large free, so later large buffers come from its heap
 # and stay resident once freed (measured: 0.7-1.3 GB a process on ViT-L/16 after two Adam steps).
 # Fixed thresholds (glibc's documented tunables) hand each freed buffer back at once, so a CPU
@@ -33,10 +41,10 @@ class OutOfTime(RunFailed):
 
 
 def process_range(script):
-    """(whether the script takes --devices, the fewest processes it runs on): from its source,
-    so that a new script is known as it is written (10's tensor parallelism needs 2)."""
-    source = (ROOT / script).read_text()
-    return "devices=4" in source, 2 if "tensor_parallel_mlps_then_fsdp" in source else 1
+    """(whether the script runs several processes by default, the fewest it runs on): lessons.csv's
+    devices and min_devices (10's tensor parallelism needs 2)."""
+    row = lessons()[script]
+    return row["devices"] > 1, row["min_devices"]
 
 
 def memory_env(cuda):

@@ -23,6 +23,7 @@ import torch
 import torch.utils.data as torch_data
 
 from benchmarks.peaks import peak_tflops
+from benchmarks.memory import chain
 from benchmarks.runs import SCRIPTS, RunFailed, ask, make_strategy, process_range, run_script, say
 from run_keeping import leave
 from run_keeping.config import WARMUP_STEPS, lessons
@@ -42,7 +43,8 @@ BUSY = 0.20
 # by chance, and a margin keeps them tied (at the smoke size Fabric's own work per step costs 03
 # some 5-10% against 01, round after round: that is told apart).
 TIE = 0.03
-SMOKE_SCRIPTS = ["01", "02", "03", "04"]  # --smoke's default: the talk's lessons on one device
+SMOKE_SCRIPTS = [n for n in chain("talk") if process_range(SCRIPTS[n]) == (False, 1)]  # --smoke's default:
+# the talk's lessons on one device (01-04)
 
 
 def common_flags(args):
@@ -69,7 +71,9 @@ def bare_spec(record):
             "batch": record["batch_size"], "micro_batches": record.get("micro_batches") or 1,
             "checkpointing": bool(record.get("activation_checkpointing")),
             "optimizer": record.get("optimizer") or "Adam", "parallelize": record.get("parallelize"),
-            "optimizer_kernel": record.get("optimizer_kernel")}
+            "optimizer_kernel": record.get("optimizer_kernel"),  # compiled as the script was (records
+            # before compile_mode: compiled with torch.compile's default, or not)
+            "compile_mode": record.get("compile_mode", "default" if record.get("compiled") else None)}
 
 
 def bare_key(record):
@@ -89,12 +93,14 @@ def run_bare(record, args, timeout=None):
 def bare_loop(args):
     """Nothing but forward, loss, zero_grad, backward and step, on one batch of random images
     held on the device, in the script's precision, strategy, micro-batches, checkpointing,
-    optimizer and offload; timed after 3 optimizer steps, with one synchronisation at each end."""
+    optimizer, offload and torch.compile mode; timed after 3 optimizer steps, with one
+    synchronisation at each end (so a first compile is not timed, as in the script)."""
     import lightning as L
     import torch.nn.functional as F
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torchvision.models.vision_transformer import EncoderBlock
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
+    from run_keeping.keeper import compile_mode
     from run_keeping.processes import cpu_from, peak_memory_gb, share_cpu_threads, waiting_share
     spec, steps = json.loads(args.bare_loop), args.max_steps
     devices, micro = spec["processes"], spec["micro_batches"]
@@ -109,6 +115,8 @@ def bare_loop(args):
     model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
     if spec["checkpointing"]:
         apply_activation_checkpointing(model, check_fn=lambda module: isinstance(module, EncoderBlock))
+    if spec.get("compile_mode"):  # before setup, as the scripts compile
+        model = torch.compile(model, mode=spec["compile_mode"])
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(),
                                                        spec.get("optimizer_kernel")))
@@ -134,7 +142,7 @@ def bare_loop(args):
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
     waited = fabric.all_reduce(torch.tensor(waiting_share(since)), reduce_op="max")
     say("BARE", {"images_per_s": images / float(seconds), "peak_memory_gb": float(memory),
-                 "cpu_wait_share": float(waited)}, fabric)
+                 "cpu_wait_share": float(waited), "compile_mode": compile_mode(model)}, fabric)
     fabric.barrier()
     leave(0)  # run_keeping/__init__.py: why a multi-process run ends so
 

@@ -4,7 +4,7 @@
                     every program of the suite; Ctrl-C while the libraries load
     files.py        whole-or-absent writes, JSONL records, a run's hold on its folder, reports
     config.py       the command line, parsed once into a Config; the commands the suite prints;
-                    talk_reference.csv
+                    lessons.csv
     processes.py    the run's processes and devices: who started them, what they decide
                     together, CPU threads, bfloat16 where the device has none, memory
     checkpoints.py  checkpoints and --resume, random states, the finetuned model file

@@ -2,7 +2,7 @@
 afterwards; the values derived from the flags are worked out here and nowhere else. A bad value, a
 flag the run would ignore, a path that cannot be used, a launch that does not match the flags or
 a batch larger than the training set is one line, exit 2. Also: the commands the suite prints
-(they name the script as it was invoked, so each runs as printed), and talk_reference.csv, read
+(they name the script as it was invoked, so each runs as printed), and lessons.csv, read
 here for every tool. Imports no torch until a script's flags are parsed (plot_results.py uses
 the parser)."""
 from __future__ import annotations
@@ -42,17 +42,26 @@ NAMED_SETTINGS = (("seed", "seed{}"), ("epochs", "epochs{}"), ("batch_size", "ba
                   ("tensor_parallel", "tp{}"), ("vit", "{}"))
 
 
-# -- talk_reference.csv: the talk's figures and each lesson's change, against and budget ---------
+# -- lessons.csv: every lesson's facts, read here for every tool and test ----------------------
+TEXT = ("script", "technique", "change", "against", "precision", "strategy", "compiles", "gpu_check")
+WHOLE = ("budget", "epochs", "devices", "min_devices")
+LISTED = ("flags", "memory_chain")
+
+
 def lessons():
-    """{script: its row of talk_reference.csv}: technique, change and against as text; the
-    figures as floats (None where the talk has none); budget, epochs, devices as whole numbers;
-    flags as a list (the flags a script's technique brings: 10's --tensor-parallel)."""
-    with open(ROOT / "talk_reference.csv") as f:
+    """{script: its row of lessons.csv}: the texts as text (None where empty); budget, epochs and
+    devices as whole numbers; flags and memory_chain as lists; the talk's and the sequel's figures
+    as floats (None where there are none)."""
+    with open(ROOT / "lessons.csv") as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    text, whole, listed = ("script", "technique", "change", "against"), ("budget", "epochs", "devices"), ("flags",)
-    return {row["script"]: {k: v if k in text else v.split() if k in listed else
-                            (int(v) if k in whole else float(v)) if v else None
+    return {row["script"]: {k: v.split() if k in LISTED else (v or None) if k in TEXT else
+                            (int(v) if k in WHOLE else float(v)) if v else None
                             for k, v in row.items()} for row in rows}
+
+
+def lesson_of(number):
+    """The script named by its number ("04"), and its row."""
+    return next((script, row) for script, row in lessons().items() if script.startswith(number))
 
 
 # -- the commands the suite prints ---------------------------------------------------------------
@@ -84,6 +93,15 @@ def start_over_command(folder, parent=None):
     if parent is not None:
         drop += f" && rmdir {shlex.quote(str(parent))} 2>/dev/null"
     return f"{drop}; {invoked(*started_flags())}"
+
+
+def chart_command(kind, results):
+    """The command that charts the `kind` runs in `results`: plot_results.py beside the program
+    that prints it, named as that program was invoked, so that it runs from the same folder."""
+    flags = "".join(f" --{k}" for k in kind.split("-") if k != "full")
+    where = "" if str(results) == "results/runs.jsonl" else f" --results {shlex.quote(str(results))}"
+    beside = Path(sys.argv[0]).with_name("plot_results.py")  # as the program was invoked
+    return f"python {shlex.quote(str(beside if beside.exists() else ROOT / 'plot_results.py'))}{flags}{where}"
 
 
 def kind_flags(kind):
@@ -194,7 +212,7 @@ def check_versions(script):
                  f"{installed}. pip install -r requirements.txt brings it.")
 
 
-# The flags a lesson's technique brings (talk_reference.csv's flags column names them per script).
+# The flags a lesson's technique brings (lessons.csv's flags column names them per script).
 TECHNIQUE_FLAGS = {"--tensor-parallel": dict(
     type=whole_number(1), default=2, metavar="N", help="processes that split each MLP between "
     "them (default 2); the rest of --devices x --num-nodes is data parallel")}
@@ -247,7 +265,7 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
                train_images=None, micro_batches=1):
     """The run's Config. `devices` given: the Fabric scripts' --devices and --num-nodes with that
     default. `flags`: the script's own (pairs of a flag and add_argument's keywords); the flags
-    its technique brings come from talk_reference.csv; `loader=False`: the script has no loader
+    its technique brings come from lessons.csv; `loader=False`: the script has no loader
     workers; `train_images`: {kind: training images}, to check the batch against;
     `micro_batches`: the loader hands out each batch in that many parts (gradient accumulation)."""
     script = Path(sys.argv[0]).name
@@ -285,7 +303,7 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
 
 
 def describe(script, row):
-    """--help's opening: the script's technique and change (talk_reference.csv)."""
+    """--help's opening: the script's technique and change (lessons.csv)."""
     return f"{script}: {row['technique']}. Changes {row['change']}." if row else script
 
 

@@ -85,13 +85,13 @@ class RunKeeper:
         checkpoint, mid-epoch too. Returns the first epoch."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler or scheduler_of(optimizer)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.meter.steps_per_epoch, self.started, self.cpu_from = len(train_loader), time.time(), cpu_from()
+        self.started, self.cpu_from = self.meter.start(len(train_loader)), cpu_from()
         c, group = self.config, optimizer.param_groups[0]
         self.settings = {**{k: getattr(c, k) for k in SETTINGS[:4]}, "world_size": self.world_size,
                          "tensor_parallel": c.tensor_parallel, "precision": self.precision_asked,
                          "lr": group.get("initial_lr", group["lr"])}  # what a --resume may not change
-        if c.kind:
-            self.print(kind_line(c, self.init))
+        for line in opening_notes(c, self.init, model):
+            self.print(line)
         self.held_parameters = [int(n) for n in gather(self.fabric, count_local_parameters(model))]
         if self.world_size > 1:
             self.print(held_line(self.held_parameters, count_parameters(model)))
@@ -177,7 +177,7 @@ class RunKeeper:
         waited = max(gather(self.fabric, waiting_share(self.cpu_from)))
         self.print(closing_lines(totals["train_time_s"], max(memory), images_per_s,
                                  None if self.config.synthetic else test_acc, waited))
-        ran = {"cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
+        ran = {"warmup_s": self.meter.warmup_s and round(self.meter.warmup_s, 3), "cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
                "precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
                "world_size": self.world_size, "parameters_per_process": self.held_parameters,
                **techniques(model, self.optimizer, self.fabric, self.scheduler), "lr_end": self.optimizer.param_groups[0]["lr"]}
@@ -374,6 +374,17 @@ def last_lines(config, init):
                       f"Run record appended to {c.results}; finetuned model saved to {c.save_model}"])
 
 
+def opening_notes(config, init, model):
+    """Said before training: what a smoke or synthetic run is, and that a CPU has no CUDA graphs
+    where the script asks torch.compile for them (mode="reduce-overhead": 16)."""
+    notes = [kind_line(config, init)] if config.kind else []
+    if compile_mode(model) == "reduce-overhead" and config.accelerator != "cuda":
+        notes.append(f"This {device_name(config.accelerator)} has no CUDA graphs: torch.compile(mode=\"reduce-"
+                     "overhead\") compiles the model and runs it without them (on a GPU it records each step's "
+                     "kernels once and replays them)")
+    return notes
+
+
 def kind_line(config, init):
     """What a smoke or synthetic run is, said before its training and again at its end."""
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
@@ -421,7 +432,13 @@ class StepMeter:
         self.steps_per_epoch = None       # batches, set once the loader is known
         self.timed_images, self.timed_seconds = 0, 0.0
         self.session_steps = 0            # optimizer steps since this process started (after --resume too)
+        self.began = self.warmup_s = None  # the loop's start; its untimed first steps' seconds (a first compile's too)
         self.epoch = None                 # the figures of the epoch under way
+
+    def start(self, steps_per_epoch):
+        """The loop is about to start (RunKeeper.resume): its batches an epoch; returns time.time()."""
+        self.steps_per_epoch, self.began = steps_per_epoch, time.perf_counter()
+        return time.time()
 
     def step(self, loss, batch_size, lr, epoch_number):
         """Add the loss to the epoch's sum and note a bad one, on the device; time every step
@@ -449,6 +466,8 @@ class StepMeter:
             self.timed_seconds += self.now() - e["timer"]
         elif e["timer"] is None and stepped and self.session_steps >= WARMUP_STEPS:
             e["timer"] = self.now()
+            if self.warmup_s is None:
+                self.warmup_s = e["timer"] - self.began
             if self.session_steps == WARMUP_STEPS and self.cuda:
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
         return stepped
@@ -510,7 +529,8 @@ def techniques(model, optimizer, fabric, scheduler=None):
     return {"optimizer": type(inner).__name__, "optimizer_kernel": optimizer_kernel(inner),
             "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
             "parallelize": getattr(parallelize, "__name__", None),
-            "fsdp2_units": units, "cpu_offload_units": offloaded, "schedule": schedule_name(scheduler)}
+            "fsdp2_units": units, "cpu_offload_units": offloaded, "schedule": schedule_name(scheduler),
+            "compile_mode": compile_mode(model)}
 
 
 def scheduler_of(optimizer):
@@ -556,6 +576,17 @@ def optimizer_kernel(optimizer):
     params = [p for group in optimizer.param_groups for p in group["params"]]
     fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
     return "fused" if fused else "foreach" if foreach else "for-loop"
+
+
+def compile_mode(model):
+    """torch.compile's mode for the model ("default" where none was given), or None where the
+    script did not compile it: Lightning keeps what torch.compile was called with on the module
+    (_compile_kwargs), inside Fabric's wrapper too."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    for module in (model, getattr(model, "_forward_module", None)):
+        if isinstance(module, OptimizedModule):
+            return (getattr(module, "_compile_kwargs", None) or {}).get("mode") or "default"
+    return None
 
 
 def compiled():

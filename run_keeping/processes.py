@@ -23,7 +23,6 @@ import platform
 import re
 import resource
 import sys
-import time
 import warnings
 
 import torch

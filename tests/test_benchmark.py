@@ -3,6 +3,7 @@ loop beside each configuration, and the one GPU command at smoke size."""
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -194,7 +195,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     checkout = checkout_files()
     # at smoke size, and for the suite's time only the baseline, one round (every precision and
     # strategy goes through the report in test_gpu_rehearsal.py)
-    flags = ["--smoke", "--max-steps", "8", "--repeat", "1", "--scripts", "01", "--loader-workers", "0", "1"]
+    flags = ["--smoke", "--max-steps", "8", "--repeat", "1", "--scripts", "01"]
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), *flags],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -292,7 +293,7 @@ def test_gpu_check_within_its_minutes_leaves_a_partial_report_and_a_failure_its_
     # when 01's 8 steps are quick enough for the headline's second round to fit in the minute
     assert float(rows["01_pytorch-vit.py", "16"][5].split(" (")[0]) > 0, report
     assert rows["04_fabric-vit-mixed-precision.py", "16"][10] == "FAILED: exit 1: RuntimeError: broken on purpose"
-    assert re.search(r"^- \S+: not run: .* left$", report, re.M), report
+    assert re.search(r"^- headline: .*; round 1 stopped before 16, planned at \d+ s with \d+ s left$", report, re.M), report
 
 
 @pytest.mark.slow
@@ -303,15 +304,18 @@ def test_gpu_check_finds_python3_where_there_is_no_python(tmp_path):
     what needs it and the wheel to install, exit 4, not the "no GPU" of exit 2; nothing written."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python3").symlink_to(sys.executable)
-    for tool in ("bash", "date", "dirname"):
+    # python3 runs the interpreter of the tests, its virtual environment too (a link to it outside
+    # the environment's folder would be a bare interpreter without its packages)
+    (bin_dir / "python3").write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    (bin_dir / "python3").chmod(0o755)
+    for tool in ("bash", "dirname", "sh"):
         (bin_dir / tool).symlink_to(shutil.which(tool))
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCK_IPYTHON)
-    env = {k: v for k, v in script_env(tmp_path, PATH=str(bin_dir), PYTHONPATH=str(site),
-                                       GPU_CHECK_DIR=str(tmp_path / "out")).items() if k != "PYTHON"}
-    proc = subprocess.run([str(bin_dir / "bash"), str(ROOT / "gpu_check.sh"), "--smoke"], cwd=tmp_path, env=env,
+    env = {k: v for k, v in script_env(tmp_path, PATH=str(bin_dir), PYTHONPATH=str(site)).items() if k != "PYTHON"}
+    proc = subprocess.run([str(bin_dir / "bash"), str(ROOT / "gpu_check.sh"), "--smoke", "--out", str(tmp_path / "out")],
+                          cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 4, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -321,7 +325,7 @@ def test_gpu_check_finds_python3_where_there_is_no_python(tmp_path):
 
 
 def test_the_talks_speedups_and_memory_beside_ours():
-    """gpu_check's comparison: the talk's figures come from talk_reference.csv."""
+    """gpu_check's comparison: the talk's figures come from lessons.csv."""
     from run_keeping.config import lessons as load_reference
     rows = [{"script": runs.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": (v, v, v), "memory_gb": m}
             for n, v, m in (("01", 1.0, 3.5), ("02", 1.1, 3.6), ("03", 0.99, 3.5), ("04", 3.0, 2.9))]
@@ -376,7 +380,10 @@ def test_tensor_parallel_script_is_known_with_its_layout():
     assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
         "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None,
-        "optimizer_kernel": None}
+        "optimizer_kernel": None, "compile_mode": None}
+    # a compiled script's bare loop is compiled as it was, its mode too (records before compile_mode: default)
+    assert throughput.bare_spec(dict(record, compile_mode="reduce-overhead"))["compile_mode"] == "reduce-overhead"
+    assert throughput.bare_spec(dict(record, compiled=True))["compile_mode"] == "default"
 
 
 FREED_BUT_RESIDENT = """
@@ -409,34 +416,28 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     assert resident_after_free(**runs.EXACT_MALLOC) < 50
 
 
-@pytest.mark.parametrize("seen, listed", [(1, 1), (2, 2), (1, 2)])
-def test_gpu_check_runs_10_only_where_the_scripts_see_two_gpus(tmp_path, monkeypatch, seen, listed):
+def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch):
     """gpu_check.sh's plan on a GPU machine, with nvidia-smi and torch.cuda's count stood in for
-    (no GPU here): the stages in order of value; 10 planned where torch sees 2 GPUs, as the
-    scripts count them, and left out, saying why, where it sees 1, also when nvidia-smi lists 2
-    (CUDA_VISIBLE_DEVICES=0 on a 2-GPU machine); the report names the GPU as nvidia-smi does."""
+    (no GPU here): the stages in their order of value, each with the lessons lessons.csv gives it
+    (a lesson added with a gpu_check stage is in it); the report names the GPU as nvidia-smi does."""
     from benchmarks import gpu_check
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n" + "echo 'NVIDIA H200, 570.86.15, 143771 MiB'\n" * listed)
+    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 570.86.15, 143771 MiB'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: seen)
-    check = gpu_check.Check(benchmark.parse_args(["--gpu-check", "--accelerator", "cuda"]))
-    stages = gpu_check.plan(check)
-    assert [stage[1] for stage in stages] == ["headline", "memory-talk", "talk-lessons", "memory-sequel",
-                                              "beyond", "bare-loops", "input"]
-    assert [(s[:2], b) for s, b in stages[0][3]] == [("01", 16), ("04", 16), ("01", 128), ("04", 128)]
-    planned = [script for stage in stages if stage[0] == "throughput" for script, _ in stage[3]]
-    assert ("10_fabric-vit-tensor-parallel.py" in planned) == (seen == 2)
-    assert ("10 left out: tensor parallelism splits each MLP across 2 GPUs" in stages[4][2]) == (seen == 1)
-    talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[])
-    memory_plan, notes = memory.memory_plan(talk, cuda=True, libraries=0.0)
-    assert ("10" in [number for _, number, _ in memory_plan]) == (seen == 2)
-    assert any("10_fabric-vit-tensor-parallel.py skipped: it needs 2 processes" in n for n in notes) == (seen == 1)
-    assert f"GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: {seen}" \
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = gpu_check.parse_args(["--out", str(tmp_path)])
+    stages = gpu_check.plan(args)
+    assert [(name, [s[:2] for s in scripts]) for name, _, _, _, scripts in stages] == [
+        ("headline", ["01", "04", "16"]), ("fast", ["09"]), ("input", []), ("sequel", ["11", "12", "13", "14"])]
+    asked = gpu_check.plan(gpu_check.parse_args(["--scripts", "01", "03"]))  # in place of the throughput stages
+    assert [(name, [s[:2] for s in scripts]) for name, _, _, _, scripts in asked] == [
+        ("lessons", ["01", "03"]), ("input", []), ("sequel", ["11", "12", "13", "14"])]
+    check = gpu_check.Check(args)
+    assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: 1" \
         in gpu_check.report_text(check)
 
 
@@ -501,15 +502,16 @@ def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
     ran, smoke = [], {r["script"]: r for r in read_records(ROOT / "reference" / "benchmark-smoke.jsonl")}
     monkeypatch.setattr(throughput, "run_configuration",  # the planner under test, not the runs: a smoke record each
                         lambda script, batch, *a: (ran.append(script[:2]) or smoke[script], 10.0))
-    monkeypatch.setenv("GPU_CHECK_DIR", str(tmp_path))
-    check = gpu_check.Check(benchmark.parse_args(["--gpu-check", "--smoke"]), gpus=0)
-    for script in ("01_pytorch-vit.py", "03_fabric-vit.py"):
-        check.keep((script, 16, "vit_b_16"), 10.0)
-    configurations = gpu_check.runs(["01", "03"])
-    check.deadline = time.monotonic() + 15  # room for one 10 s run, not two
-    state, _, measured = gpu_check.run_throughput(check, "t", "t", configurations, 1, str(tmp_path))
-    assert ran == [] and all(not r["records"] for r in measured.values())
-    assert state.startswith("not run: round 1 stopped before 01@16 and 03@16 beside it, planned at 20 s"), state
-    check.deadline = time.monotonic() + 25
-    state, _, _ = gpu_check.run_throughput(check, "t", "t", configurations, 1, str(tmp_path))
+    monkeypatch.setattr(throughput, "run_bare", lambda record, *a: ({"images_per_s": 1.0, "peak_memory_gb": 1.0}, 5.0))
+    check = gpu_check.Check(gpu_check.parse_args(["--smoke", "--out", str(tmp_path)]), gpus=0)
+    scripts = ["01_pytorch-vit.py", "03_fabric-vit.py"]
+    for script in scripts:
+        check.keep("run", (script, 16), 10.0)
+        check.keep("bare loop", (script, 16), 5.0)
+    check.deadline = time.monotonic() + 20  # room for one 10 s run and its 5 s bare loop, not two
+    state, _ = gpu_check.run_throughput(check, "t", "t", {"batch": 16, "rounds": 1}, scripts, str(tmp_path))
+    assert ran == []
+    assert state.startswith("not run: round 1 stopped before 01 and 03 beside it, planned at 30 s"), state
+    check.deadline = time.monotonic() + 35
+    state, _ = gpu_check.run_throughput(check, "t", "t", {"batch": 16, "rounds": 1}, scripts, str(tmp_path))
     assert ran == ["01", "03"], state

@@ -1,6 +1,6 @@
 """The README and docs/ say what the records say: every measured figure is in a block that
 tools/figures.py makes from a record in reference/, and a figure outside the blocks is the
-talk's (talk_reference.csv), a setting, or one the page's blocks give; no help text states a
+talk's (lessons.csv), a setting, or one the page's blocks give; no help text states a
 time; and every documented command that runs on a CPU runs, in a copy of the checkout, leaving
 git status clean."""
 import re
@@ -45,7 +45,7 @@ def test_no_measured_figure_outside_the_blocks(page):
     """A figure with a unit in the prose is the talk's, a setting (NOT_MEASURED, each with its
     reason), or one of the page's own blocks: never a measurement that no record backs."""
     text = page.read_text()
-    talk = (ROOT / "talk_reference.csv").read_text()
+    talk = (ROOT / "lessons.csv").read_text()
     blocks = "".join(m[3] for m in figures.BLOCK.finditer(text))
     for number, unit, times in FIGURE.findall(outside_blocks(text)):
         unit = unit or times

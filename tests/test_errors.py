@@ -171,8 +171,8 @@ def test_each_kind_of_run_has_its_own_folder_and_file(argv):
 def test_gpu_check_without_a_gpu_points_at_its_smoke_size(tmp_path):
     import subprocess
     from conftest import ROOT
-    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh")], cwd=tmp_path,
-                          env=script_env(tmp_path, GPU_CHECK_DIR=str(tmp_path / "out")),
+    proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), "--out", str(tmp_path / "out")], cwd=tmp_path,
+                          env=script_env(tmp_path),
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().endswith("bash gpu_check.sh --smoke") and "about a day" not in proc.stderr

@@ -118,7 +118,7 @@ def test_each_memory_run_plans_the_talks_processes(gpu, count):
     """On a GPU machine: 05-07 and 10 on the talk's 4 GPUs where there are 4 (fewer where fewer,
     saying so), 10 skipped on one, 01-04 on one."""
     gpu("NVIDIA H200", count)
-    plans = {n: memory.talk_processes(n, "vit_b_16", True, 0.0) for n in memory.TALK_SCRIPTS}
+    plans = {n: memory.talk_processes(n, "vit_b_16", True, 0.0) for n in memory.chain("talk")}
     for number, (processes, note) in plans.items():
         takes_devices = number in ("05", "06", "07", "10")
         if not takes_devices:
@@ -133,7 +133,7 @@ def test_on_a_cpu_with_room_the_talks_four_processes_run(monkeypatch):
     """--memory --talk on a CPU with room for them: 05-07 and 10 each on the talk's 4 processes,
     the others on one (a regression to one process would hold a whole copy less DDP's work)."""
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
-    plans = {n: memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in memory.TALK_SCRIPTS}
+    plans = {n: memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in memory.chain("talk")}
     assert plans == {"01": 1, "02": 1, "03": 1, "04": 1, "05": 4, "06": 4, "07": 4, "10": 4}
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 8e9)
     processes, note = memory.talk_processes("05", "vit_b_16", False, 0.8)
@@ -172,4 +172,5 @@ def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys)
                 throughput.bare_loop(args)
             assert exit_info.value.code == 0
             line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("BARE "))
-            assert json.loads(line[5:])["images_per_s"] > 0, spec
+            answer = json.loads(line[5:])
+            assert answer["images_per_s"] > 0 and answer["compile_mode"] == spec["compile_mode"], spec

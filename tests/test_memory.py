@@ -211,11 +211,11 @@ def test_an_offloading_gpu_run_shares_the_cpu_among_its_processes(monkeypatch):
             shared.clear()
             model = parallelize(lu.smoke_vit(), mesh)
             keeper = keeping.RunKeeper.__new__(keeping.RunKeeper)  # its resume() alone, on a GPU's fabric
-            keeper.config = SimpleNamespace(kind="", devices=4, tensor_parallel=1, resume=False,
+            keeper.config = SimpleNamespace(kind="", devices=4, tensor_parallel=1, resume=False, accelerator="cuda",
                                             **{k: None for k in ("batch_size", "seed", "epochs", "max_steps")})
             keeper.fabric = SimpleNamespace(device=torch.device("cuda"), world_size=1)
             keeper.world_size, keeper.rank, keeper.precision_asked, keeper.resuming = 1, 0, "bf16-mixed", False
-            keeper.meter, keeper.figures = SimpleNamespace(steps_per_epoch=None), keeping.Figures()
+            keeper.meter, keeper.figures = keeping.StepMeter(cuda=False), keeping.Figures()
             keeper.stopping = SimpleNamespace(phase="starting")
             keeper.resume(model, torch.optim.Adam(model.parameters()), train_loader=[None])
             assert shared == expected, parallelize.__name__

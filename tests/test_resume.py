@@ -374,7 +374,7 @@ def test_the_warm_up_counts_optimizer_steps_of_micro_batches():
     Adam's first step, which makes its state, is never timed."""
     from run_keeping.keeper import StepMeter
     meter = StepMeter(cuda=False, micro_batches=4)
-    meter.steps_per_epoch = 24
+    meter.start(24)
     stepped = [meter.step(torch.tensor(1.0), 4, 5e-5, 1) for _ in range(24)]
     assert stepped == [n % 4 == 3 for n in range(24)]
     assert meter.timed_images == (24 - 12) * 4 and meter.session_steps == 6

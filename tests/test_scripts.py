@@ -29,8 +29,8 @@ EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val
                         re.M)
 # A smoke run is small: this catches one that is not (a full-size run takes hours on a CPU), with
 # room for a loaded 2-core machine (01 --smoke: 7 s alone, 61 s beside a second test suite).
-# 02 also compiles (about 40 s with a cold cache); 05-07, 10 and 15 start 2 processes.
-WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 240, "05_fabric-vit-mixed-ddp.py": 240,
+# 02 and 16 also compile (40-60 s each with a cold cache); 05-07, 10 and 15 start 2 processes.
+WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 240, "16_fabric-vit-cuda-graphs.py": 240, "05_fabric-vit-mixed-ddp.py": 240,
                 "06_fabric-vit-mixed-fsdp.py": 240, "07_fabric-vit-mixed-fsdp-with-scheduler.py": 240,
                 "10_fabric-vit-tensor-parallel.py": 240, "15_fabric-vit-fsdp-cpu-offload.py": 240,
                 # 12-14 take 4 times the steps (micro-batches of 4): about 35 s alone
@@ -225,7 +225,7 @@ def changed_lines(a, b):
 
 
 def chain():
-    """(the script a lesson is a diff against, the lesson, its budget), from talk_reference.csv."""
+    """(the script a lesson is a diff against, the lesson, its budget), from lessons.csv."""
     from run_keeping.config import lessons
     rows = lessons()
     names = {script[:2]: script for script in rows}

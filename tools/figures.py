@@ -1,5 +1,5 @@
 """The figures of the README and docs/, made from the project's own records in reference/ (and
-talk_reference.csv, the smoke weights' provenance, and the scripts themselves for their changed
+lessons.csv, the smoke weights' provenance, and the scripts themselves for their changed
 lines). Each table or passage between `<!-- figures: NAME -->` and `<!-- end of figures -->` is
 written by the function of that NAME below; the charts in reference/ are drawn from the same
 records. A user's runs never write reference/: its records are added by hand, from runs made
@@ -357,21 +357,14 @@ def gpu_check_findings():
 
 
 def gpu_check_plan():
-    """docs/benchmarks.md: gpu_check.sh's stages and the minutes each is guessed at on one H200."""
-    import benchmark
+    """docs/benchmarks.md: gpu_check.sh's stages, the lessons each measures, and the plain defaults
+    a run is planned at before one of its kind has run."""
     from benchmarks import gpu_check
-    rows = gpu_check.guessed_minutes(benchmark.parse_args(["--gpu-check", "--accelerator", "cuda"]))
-    total, cells = 0.0, []
-    for number, (name, runs, minutes) in enumerate(rows, 1):
-        total += minutes
-        cells.append([f"{number}. {name}", runs, f"{minutes:.1f}", f"{total:.1f}"])
-    guess = gpu_check.GUESS
-    return "\n".join([
-        f"The guess: {guess['process_s']:.0f} s for a run's own cost, a first compile (02, 09) "
-        f"{gpu_check.COMPILE_S['full']:.0f} s, and each step at {guess['share']['fp32']:.0%} (float32) or "
-        f"{guess['share']['bf16']:.0%} (bfloat16) of the H200's dense peak, never under "
-        f"{guess['floor_s'] * 1000:.0f} ms (`benchmarks/gpu_check.py`, fitted to `reference/gpu-check-h200-*.jsonl`).",
-        "", *markdown_table(["stage", "runs", "guessed minutes on one H200", "guessed minutes so far"], cells)])
+    cells = [[f"{number}. {name}", title, " ".join(s[:2] for s in gpu_check.stage_scripts(name)) or "-",
+              settings.get("rounds", "-")] for number, (name, kind, title, settings) in enumerate(gpu_check.STAGES, 1)]
+    defaults = ", ".join(f"{kind} {seconds} s" for kind, seconds in gpu_check.DEFAULT_S["full"].items())
+    return "\n".join([*markdown_table(["stage", "what it measures", "lessons", "rounds"], cells), "",
+                      f"Before a run of its kind has run in the check, a run is planned at a plain default: {defaults}."])
 
 
 BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "gpu-check-findings": gpu_check_findings, "no-bf16-smoke": no_bf16_smoke, "scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,

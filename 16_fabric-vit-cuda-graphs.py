@@ -1,0 +1,103 @@
+"""One chapter of the CVPR 2023 talk "Scaling PyTorch Model Training With Minimal Code Changes":
+torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
+before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
+changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
+figures and each script's change are in lessons.csv.
+
+    python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
+    python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
+
+Data, model and evaluation are in local_utilities.py; the flags, records, checkpoints, --resume
+and Ctrl-C in run_keeping/, out of the lesson's way.
+"""
+import time
+
+from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
+import lightning as L  # [03] new
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from watermark import watermark
+
+from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
+
+
+def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # [03] instead of (..., keeper): the loop calls fabric
+    start = time.time()
+    for epoch in range(keeper.start_epoch, num_epochs):
+        train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
+
+        model.train()
+        for batch_idx, (features, targets) in enumerate(train_loader, keeper.first_batch):  # 0, or where a stopped run was (--resume)
+            model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
+
+            ### FORWARD AND BACK PROP
+            logits = model(features)
+            loss = F.cross_entropy(logits, targets)
+
+            optimizer.zero_grad()
+            fabric.backward(loss)  # [03] instead of loss.backward()
+
+            ### UPDATE MODEL PARAMETERS
+            optimizer.step()
+            keeper.batch_done(loss, len(targets))  # loss guard and timing, for the run record
+
+            ### LOGGING
+            if not batch_idx % 300:
+                fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # [03] instead of print: once per machine
+
+            model.eval()
+            with torch.no_grad():
+                predicted_labels = torch.argmax(logits, 1)
+                train_acc.update(predicted_labels, targets)
+
+        ### MORE LOGGING
+        val_acc = evaluate(model, val_loader, device)
+        fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
+        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
+    return time.time() - start
+
+
+if __name__ == "__main__":
+    args = parse_args(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+        precision="bf16-mixed",  # [04] new: mixed precision
+    )
+    fabric.launch()  # [03] new: starts the other processes, if any
+    keeper = RunKeeper(args, fabric)  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
+    device = fabric.device  # [03] instead of torch.device(args.accelerator)
+    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
+    torch.manual_seed(args.seed)
+
+    ##########################
+    ### 1 Loading the Dataset
+    ##########################
+    with fabric.rank_zero_first(local=True):  # [03] new: one process per machine downloads, the others wait
+        train_loader, val_loader, test_loader = get_dataloaders(args)
+    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # [03] new: each batch now arrives on the device, so the loop drops its .to(device)
+
+    #########################################
+    ### 2 Initializing the Model
+    #########################################
+    model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
+
+    # replace output layer
+    model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
+
+    model = torch.compile(model, mode="reduce-overhead")  # [16] new: CUDA graphs: each step's kernels recorded once, then replayed in one launch
+    model = fabric.setup_module(model)  # [03] instead of model.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
+    optimizer = fabric.setup_optimizers(optimizer)  # [03] new
+
+    #########################################
+    ### 3 Finetuning
+    #########################################
+    keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
+
+    #########################################
+    ### 4 Evaluation
+    #########################################
+    test_acc = evaluate(model, test_loader, device)
+    keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model
