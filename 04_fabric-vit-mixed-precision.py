@@ -12,14 +12,17 @@ and Ctrl-C in run_keeping/, out of the lesson's way.
 """
 import time
 
-from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L  # [03] new
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from watermark import watermark
 
-from local_utilities import build_vit, evaluate, get_dataloaders, parse_args
+from local_utilities import build_vit
+from local_utilities import evaluate
+from local_utilities import get_dataloaders
+from local_utilities import parse_args
+from run_keeping.keeper import RunKeeper
 
 
 def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # [03] instead of (..., keeper): the loop calls fabric

@@ -16,17 +16,24 @@ import glob
 import os
 import re
 
-from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.files import record_of
-from run_keeping.config import Parser, check_path, whole_number
-from run_keeping.config import MOST_WORKERS
 import lightning as L
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
+from PIL import UnidentifiedImageError
 
-from local_utilities import SMOKE_IMAGE_SIZE, build_vit, evaluate, get_dataloaders, talk_transforms
+from local_utilities import SMOKE_IMAGE_SIZE
+from local_utilities import build_vit
+from local_utilities import evaluate
+from local_utilities import get_dataloaders
+from local_utilities import talk_transforms
+from run_keeping import fail
 from run_keeping.checkpoints import load_model_file
+from run_keeping.config import MOST_WORKERS
+from run_keeping.config import Parser
+from run_keeping.config import check_path
+from run_keeping.config import whole_number
+from run_keeping.files import record_of
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the runs record

@@ -12,15 +12,21 @@ Measured: --smoke only, on the CPU (docs/fast-recipe.md); no GPU figure yet.
 import math
 import time
 
-from run_keeping.keeper import RunKeeper  # first: a Ctrl-C while the libraries load ends in one line
 import lightning as L
 import torch
 import torch.nn.functional as F
 from watermark import watermark
 
-from local_utilities import (NUM_CLASSES, SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit,
-                             cifar10_datasets, digits_datasets, evaluate, parse_args,
-                             resize_on_device)
+from local_utilities import NUM_CLASSES
+from local_utilities import SMOKE_IMAGE_SIZE
+from local_utilities import TALK_IMAGE_SIZE
+from local_utilities import build_vit
+from local_utilities import cifar10_datasets
+from local_utilities import digits_datasets
+from local_utilities import evaluate
+from local_utilities import parse_args
+from local_utilities import resize_on_device
+from run_keeping.keeper import RunKeeper
 
 WARMUP_FRACTION = 0.05
 # The peak learning rate at the talk's batch of 16, scaled by the square root of the batch: the

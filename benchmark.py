@@ -21,13 +21,20 @@ import argparse
 import tempfile
 import time
 
-from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.config import WARMUP_STEPS, Parser, chart_command, check_path, whole_number
-from run_keeping.files import write_report
 import torch
 
-from benchmarks import memory, peaks, throughput
-from benchmarks.runs import SCRIPTS, SOME_FAILED
+from benchmarks import memory
+from benchmarks import peaks
+from benchmarks import throughput
+from benchmarks.runs import SCRIPTS
+from benchmarks.runs import SOME_FAILED
+from run_keeping import fail
+from run_keeping.config import WARMUP_STEPS
+from run_keeping.config import Parser
+from run_keeping.config import chart_command
+from run_keeping.config import check_path
+from run_keeping.config import whole_number
+from run_keeping.files import write_report
 
 
 def parse_args(argv=None):

@@ -19,13 +19,17 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from run_keeping import fail  # first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.config import Parser, chart_command, check_path, lessons
+from run_keeping import fail
+from run_keeping.config import Parser
+from run_keeping.config import chart_command
+from run_keeping.config import check_path
+from run_keeping.config import lessons
 from run_keeping.files import read_records
 
 ROOT = Path(__file__).resolve().parent
 BASELINE = "01_pytorch-vit.py"
 NEEDED = ("script", "train_time_s", "peak_memory_gb")
+NEW_LESSON = " (a lesson of your own? add its row to lessons.csv: docs/adding-a-lesson.md)"
 # (title, record key, the talk's column, how ours converts, value format)
 CHARTS = [
     ("Training time (min)", "train_time_s", "time_min", lambda v: v / 60, "{:.2f}"),
@@ -60,7 +64,7 @@ def usable_records(path, known):
         if missing:
             warn(f"{path}:{number}: record lacks {', '.join(missing)}, skipped")
         elif record["script"] not in known:
-            warn(f"{path}:{number}: unknown script {record['script']!r}, skipped")
+            warn(f"{path}:{number}: unknown script {record['script']!r}, skipped{NEW_LESSON}")
         else:
             usable.append(record)
     return usable
@@ -85,7 +89,7 @@ def read_log(path, known):
     sections = re.split(r"^#+\s*(\d\d_[\w.-]+\.py)\b.*$", text, flags=re.M)
     for script, body in zip(sections[1::2], sections[2::2]):
         if script not in known:
-            warn(f"{path}: unknown script {script!r}, skipped")
+            warn(f"{path}: unknown script {script!r}, skipped{NEW_LESSON}")
             continue
         record = {"script": script, "device_name": f"log {Path(path).name}", "world_size": None,
                   "images_per_s": None, "smoke": False, "synthetic": False}

@@ -10,8 +10,9 @@
     checkpoints.py  checkpoints and --resume, random states, the finetuned model file
     keeper.py       RunKeeper, what a script calls: its timing, signals and record
 
-A script imports run_keeping.keeper first (this file installs its signal handlers before the
-libraries load: a Ctrl-C meanwhile is one line too), makes one RunKeeper and calls it four times:
+Importing it does nothing; a program's parser (config.Parser) starts the run (start_run: the
+exit handlers, and one line for a Ctrl-C or SIGTERM until the run's own handlers take over). A
+script makes one RunKeeper and calls it four times:
 
     keeper = RunKeeper(args, fabric)            # checks, signal handlers (fabric: None in 00-02)
     keeper.resume(model, optimizer, train_loader)   # says what runs; with --resume: restores
@@ -32,18 +33,39 @@ import os
 import re
 import signal
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STARTED = time.monotonic()  # a script imports this first: about when it started
+_started = []  # whether start_run() has run in this process
 
-# At exit the interpreter's last garbage collection walks every object torch, torchvision and
-# Lightning made, to free memory the OS takes back anyway: 1.5 s at the end of each run on a
-# 2-core CPU. Frozen, those objects are skipped. Python never promised finalisers at exit, and
-# nothing here needs one: files are written whole and closed, and child processes are stopped
-# by their own exit handlers, which still run.
-atexit.register(gc.freeze)
+
+def start_run():
+    """From a program's start on (its parser calls this, once): what is left to let go of is let
+    go of at exit, a multi-process gloo run leaves quickly, and a Ctrl-C or SIGTERM before the
+    run's own handlers is one line. At exit the interpreter's last garbage collection would walk
+    every object torch, torchvision and Lightning made, to free memory the OS takes back anyway
+    (1.5 s at the end of each run on a 2-core CPU); frozen, they are skipped. Python never
+    promised finalisers at exit, and nothing here needs one: files are written whole and closed,
+    and child processes are stopped by their own exit handlers, which still run."""
+    if _started:
+        return
+    _started.append(True)
+    for handler in (gc.freeze, clean_up, _leave_a_gloo_run_quickly):  # at exit: the last first
+        atexit.register(handler)
+    if ours():
+        for signum in EXIT_CODES:
+            signal.signal(signum, stop_at_once)
+
+
+def process_age_s():
+    """Seconds since this process started, its imports included (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 _ending = [None]  # the code of the last Stopped: what the program ends with if none catches it
@@ -88,7 +110,6 @@ def on_exit(cleanup):
     _cleanups.append(cleanup)
 
 
-@atexit.register
 def clean_up():
     while _cleanups:
         try:
@@ -113,7 +134,6 @@ def leave(code, at_once=False):
     raise SystemExit(code)
 
 
-@atexit.register
 def _leave_a_gloo_run_quickly():
     """A multi-process gloo run ending by an uncaught Stopped or traceback: leave as leave()
     does, with the code the program is ending with."""
@@ -169,7 +189,3 @@ def ours():
     except (OSError, IndexError):
         return False
 
-
-if ours():
-    for _signal in EXIT_CODES:
-        signal.signal(_signal, stop_at_once)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from run_keeping import fail
+from run_keeping import fail, start_run
 from run_keeping.files import unwritable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +115,10 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         fail(f"{message}; {invoked('--help')} lists the flags")
+
+    def parse_known_args(self, args=None, namespace=None):
+        start_run()  # the program's start: its exit handlers, one line for a Ctrl-C from here on
+        return super().parse_known_args(args, namespace)
 
 
 def whole_number(minimum, maximum=None):

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from run_keeping import EXIT_CODES, STARTED, clean_up, fail, first_sentence, leave, on_exit
+from run_keeping import EXIT_CODES, clean_up, fail, first_sentence, leave, on_exit, process_age_s
 from run_keeping.checkpoints import (SETTINGS, Checkpoints, continue_data_order, count_local_parameters,
                                      count_parameters, held_line, plain_state_dict, rng_states)
 from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, started_flags
@@ -267,7 +267,7 @@ def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test
         "train_loss": figures.train_loss, "lr": figures.lr,
         "val_acc": None if c.synthetic else figures.val_acc, "test_acc": None if c.synthetic else test_acc,
         "model_file": str(c.save_model), "compiled": compiled(), "checkpoint_s": figures.checkpoint_s,
-        "run_s": round(time.monotonic() - STARTED, 3), "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
+        "run_s": process_age_s() and round(process_age_s(), 3), "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
         "torch": torch.__version__, "torchvision": version("torchvision"),
         "lightning": version("lightning"), "python": platform.python_version(),
         "hostname": socket.gethostname(), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -1,7 +1,11 @@
 """The project's shape: one place for each thing, no import cycle, small units, a README a
 newcomer reads in ten minutes with the detail in docs/."""
 import ast
+import json
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -11,8 +15,7 @@ SHARED = [ROOT / "local_utilities.py", *sorted((ROOT / "run_keeping").glob("*.py
 TOOLS = [ROOT / "benchmark.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "plot_results.py",
          ROOT / "make_smoke_weights.py"]
 LESSONS = sorted(ROOT.glob("[01][0-9]_*.py"))
-DOCS = ["flags-records-exit-codes.md", "resume-save-load.md", "benchmarks.md", "smoke.md",
-        "fast-recipe.md", "tensor-parallel.md", "memory.md", "tests.md"]
+DOCS = sorted(p.name for p in (ROOT / "docs").glob("*.md"))  # every page, each linked from the README
 
 
 def project_modules():
@@ -202,3 +205,74 @@ def test_the_pages_talk_about_the_suite_not_how_it_was_made(page):
     text = (ROOT / page).read_text()
     for phrase in re.findall(r"(?i)session|lent to|the issue|this project's machine", text):
         pytest.fail(f"{page} says {phrase!r}")
+
+
+NEW_LESSON = "17_fabric-vit-compile.py"
+NEW_ROW = (f"{NEW_LESSON},+ torch.compile on 04 (a contributor's),against 04: model = torch.compile(model),04,2,3,1,1,"
+           "bf16-mixed,single-device,default,,,,,,,,,\n")
+
+
+@pytest.mark.slow
+def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
+    """A contributor's lesson 17 (04 plus torch.compile), added to a copy of the project as
+    docs/adding-a-lesson.md says, the script and one row of lessons.csv: its --help opens with its
+    technique, the diff-budget and tag checks run on it (an untagged change fails, saying what to
+    do), plot_results.py charts its record and benchmark.py plans it; without the row, the checks
+    say to add it."""
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "results", "models", "checkpoints"))
+    base = (copy / "04_fabric-vit-mixed-precision.py").read_text()
+    setup = "    model = fabric.setup_module(model)"
+    (copy / NEW_LESSON).write_text(base.replace(setup, "    model = torch.compile(model)  # [17] new: compiled\n" + setup, 1))
+    with open(copy / "lessons.csv", "a") as f:
+        f.write(NEW_ROW)
+
+    def run(*command):
+        return subprocess.run([sys.executable, *command], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert "torch.compile on 04 (a contributor's)" in run(NEW_LESSON, "--help").stdout
+    checks = run("-m", "pytest", "-v", "-n", "0", "-m", "not slow", "tests/test_scripts.py", "-k", "17_fabric")
+    for check in ("test_the_diff_is_the_lesson", "test_each_changed_line_is_tagged_and_no_unchanged_one",
+                  "test_every_inherited_tag_is_its_lessons_own"):
+        assert re.search(rf"::{check}\[[^\]]*17_fabric[^\]]*\] PASSED", checks.stdout), checks.stdout[-3000:]
+    assert checks.returncode == 0, checks.stdout[-3000:]
+    (copy / "results").mkdir()
+    record = {"script": NEW_LESSON, "kind": "smoke", "smoke": True, "train_time_s": 3.0, "peak_memory_gb": 1.0,
+              "test_acc": 0.9, "images_per_s": 900.0, "batch_size": 16, "world_size": 1, "model": "smoke ViT"}
+    (copy / "results" / "runs.jsonl").write_text(json.dumps(record) + "\n")
+    charted = run("plot_results.py", "--smoke")
+    assert charted.returncode == 0 and re.search(rf"^{NEW_LESSON}\s+0\.05", charted.stdout, re.M), charted.stderr
+    planned = run("-c", "import benchmark; print(benchmark.parse_args(['--scripts', '17']).runs)")
+    assert planned.stdout.strip() == f"[('{NEW_LESSON}', 16)]", planned.stderr[-2000:]
+    # an untagged change: the tag check fails, naming the line and what to do
+    (copy / NEW_LESSON).write_text(base.replace(setup, "    model = torch.compile(model)\n" + setup, 1))
+    untagged = run("-m", "pytest", "-q", "-n", "0", "-m", "not slow", "tests/test_scripts.py", "-k", "tagged and 17_fabric")
+    assert untagged.returncode == 1 and "end each line 17 changes with # [17] new" in untagged.stdout, untagged.stdout[-2000:]
+    # no row: plot_results.py and the layout check say to add it
+    (copy / "lessons.csv").write_text((copy / "lessons.csv").read_text().replace(NEW_ROW, ""))
+    assert "add its row to lessons.csv: docs/adding-a-lesson.md" in run("plot_results.py", "--smoke", "--all").stderr
+    rowless = run("-m", "pytest", "-q", "-n", "0", "tests/test_plot.py", "-k", "every_numbered_training_script")
+    assert rowless.returncode == 1 and "add each one's row to lessons.csv" in rowless.stdout, rowless.stdout[-2000:]
+
+
+def test_importing_run_keeping_does_nothing():
+    """Importing run_keeping (and local_utilities, which a script imports) registers no exit
+    handler, signal handler or excepthook and leaves the garbage collector alone, wherever a
+    sorter puts the import: the run starts when its parser runs (run_keeping.start_run)."""
+    code = """
+import atexit, gc, signal, sys
+import lightning, torch, torchmetrics, torchvision, watermark
+before = (atexit._ncallbacks(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.excepthook, gc.get_freeze_count())
+import local_utilities, run_keeping, run_keeping.checkpoints, run_keeping.config, run_keeping.files, run_keeping.keeper, run_keeping.processes
+after = (atexit._ncallbacks(), signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), sys.excepthook, gc.get_freeze_count())
+print(before == after)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "True", proc.stderr[-2000:]
+
+
+def test_the_lessons_imports_are_in_isort_order():
+    """`ruff check --select I` on the numbered scripts: one name a line (ruff.toml), so that a lesson
+    adding a name adds a line and its diff stays the lesson."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "I", *map(str, LESSONS)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:]
