@@ -158,8 +158,8 @@ def run_throughput(check, name, title, settings, scripts, scratch):
     Returns (its state, its report)."""
     from benchmarks import peaks, throughput
     from benchmarks.runs import OutOfTime, RunFailed
-    args, batch = check.args, settings["batch"]
-    rounds = args.repeat or settings["rounds"]
+    batch, rounds = settings["batch"], check.args.repeat or settings["rounds"]
+    args = argparse.Namespace(**{**vars(check.args), "repeat": rounds})  # as the report reads it
     measured = throughput.new_measurement([(script, batch) for script in scripts])
     items, flops, why_not = list(measured.items()), peaks.flops_per_image(args.smoke), None
     for round_number in range(1, rounds + 1):
