@@ -55,15 +55,16 @@ def parse_args(argv=None):
     add("--max-steps", type=whole_number(WARMUP_STEPS + 1), default=None, metavar="N", help="training steps "
         f"per run, the first {WARMUP_STEPS} untimed (default {throughput.STEPS['full']}; --smoke: "
         f"{throughput.STEPS['smoke']})")
-    add("--scripts", nargs="+", default=None, metavar="NN", help="these lessons at batch 16 beside their "
-        "bare loops, in place of the stages")
+    add("--scripts", nargs="+", default=None, metavar="NN[@B]", help="these lessons (at batch 16, or B) "
+        "beside their bare loops, in place of the throughput stages")
     add("--repeat", type=whole_number(1, 100), default=None, metavar="N", help="rounds of a throughput "
         "stage (default: the stage's)")
     add("--out", default="results/gpu-check", metavar="DIR", help="the report and records (default "
         "results/gpu-check under the folder it runs from)")
     args = parser.parse_args(argv)
     from benchmarks.runs import SCRIPTS
-    unknown = [n for n in args.scripts or [] if n not in SCRIPTS]
+    unknown = [n for n in args.scripts or [] if n.partition("@")[0] not in SCRIPTS or not n.partition("@")[2].isdigit()
+               and n.partition("@")[1]]
     if unknown:
         parser.error(f"unknown script {' '.join(unknown)}; known: {' '.join(SCRIPTS)}")
     # what the throughput measurement reads (benchmark.py's flags, at their defaults)
@@ -141,37 +142,37 @@ def stage_scripts(name):
 
 
 def plan(args):
-    """[(name, kind, title, settings, scripts)]: STAGES with their lessons; --scripts: those at
-    batch 16 in one throughput stage in place of the throughput stages."""
+    """[(name, kind, title, settings, runs)]: STAGES with their (lesson, batch) runs; --scripts:
+    those (NN, or NN@B for a batch of B) in one throughput stage in place of the throughput stages."""
     from benchmarks.runs import SCRIPTS
-    stages = [(*stage, stage_scripts(stage[0])) for stage in STAGES]
+    stages = [(*stage, [(script, stage[3].get("batch")) for script in stage_scripts(stage[0])]) for stage in STAGES]
     if not args.scripts:
         return stages
-    asked = ("lessons", "throughput", f"{' '.join(args.scripts)} at batch 16, each beside its bare loop",
-             {"batch": 16, "rounds": 1}, [SCRIPTS[n] for n in args.scripts])
+    runs = [(SCRIPTS[n], int(b or 16)) for n, _, b in (spec.partition("@") for spec in args.scripts)]
+    asked = ("lessons", "throughput", f"{' '.join(args.scripts)}, each beside its bare loop", {"rounds": 1}, runs)
     return [asked, *(stage for stage in stages if stage[1] != "throughput")]
 
 
-def run_throughput(check, name, title, settings, scripts, scratch):
+def run_throughput(check, name, title, settings, runs, scratch):
     """Round after round, each lesson and then its bare loop, each started only if it fits (01,
     the baseline, only if the next lesson fits beside it); the report rewritten after each run.
     Returns (its state, its report)."""
     from benchmarks import peaks, throughput
     from benchmarks.runs import OutOfTime, RunFailed
-    batch, rounds = settings["batch"], check.args.repeat or settings["rounds"]
+    rounds = check.args.repeat or settings["rounds"]
     args = argparse.Namespace(**{**vars(check.args), "repeat": rounds})  # as the report reads it
-    measured = throughput.new_measurement([(script, batch) for script in scripts])
+    measured = throughput.new_measurement(runs)
     items, flops, why_not = list(measured.items()), peaks.flops_per_image(args.smoke), None
     for round_number in range(1, rounds + 1):
-        for index, ((script, _), result) in enumerate(items):
+        for index, ((script, batch), result) in enumerate(items):
             if result["failed"]:
                 continue
-            partner = next((s for (s, _), r in items[index + 1:] if not r["failed"]), None) \
+            partner = next((run for run, r in items[index + 1:] if not r["failed"] and run[1] == batch), None) \
                 if script.startswith("01") else None  # 01 alone is no comparison
-            cost = sum(check.estimate("run", (s, batch)) + check.estimate("bare loop", (s, batch))
-                       for s in [script] + ([partner] if partner else []))
+            cost = sum(check.estimate("run", run) + check.estimate("bare loop", run)
+                       for run in [(script, batch)] + ([partner] if partner else []))
             if cost > check.left():
-                beside = f" and {partner[:2]} beside it" if partner else ""
+                beside = f" and {partner[0][:2]} beside it" if partner else ""
                 why_not = (f"round {round_number} stopped before {script[:2]}{beside}, planned at {cost:.0f} s "
                            f"with {max(0.0, check.left()):.0f} s left")
                 break
@@ -224,7 +225,7 @@ def run_input(check, settings):
     return "done", "\n".join(throughput.input_lines(rates, [], args))
 
 
-def run_memory(check, name, settings, scripts):
+def run_memory(check, name, settings, runs):
     """The memory sequel's chain on its model, each run as it is: started only if every run fits."""
     from benchmarks import memory
     from benchmarks.runs import OutOfTime, RunFailed
@@ -232,14 +233,14 @@ def run_memory(check, name, settings, scripts):
         return ("skipped at smoke size: the smoke ViT is 0.4 M parameters, nothing to measure; "
                 "docs/benchmarks.md has the tables measured on a CPU"), ""
     args = argparse.Namespace(**{**vars(check.args), "sequel": True, "talk": False, "memory_models_given": True,
-                                 "memory_models": [settings["vit"]], "memory_scripts": [s[:2] for s in scripts]})
+                                 "memory_models": [settings["vit"]], "memory_scripts": [script[:2] for script, _ in runs]})
     libraries = memory.libraries_gb(cuda=True)
-    runs, notes = memory.memory_plan(args, True, libraries, gpus=check.gpus)
-    cost = sum(check.estimate("memory run", (n, vit)) for vit, n, _ in runs)
+    planned, notes = memory.memory_plan(args, True, libraries, gpus=check.gpus)
+    cost = sum(check.estimate("memory run", (n, vit)) for vit, n, _ in planned)
     if cost > check.left():
-        return f"not run: its {len(runs)} runs planned at {cost:.0f} s with {max(0, check.left()):.0f} s left", ""
+        return f"not run: its {len(planned)} runs planned at {cost:.0f} s with {max(0, check.left()):.0f} s left", ""
     rows, reference = [], memory.lessons()
-    for vit, number, processes in runs:
+    for vit, number, processes in planned:
         began = time.monotonic()
         try:
             rows.append(memory.row_of(memory.run_for_memory(number, vit, processes, args, libraries, check.timeout()),
@@ -252,7 +253,7 @@ def run_memory(check, name, settings, scripts):
     measured = [r for r in rows if "failed" not in r]
     if measured:
         memory.staircase_chart(measured, check.out / "memory-sequel.png", measured[0]["record"]["device_name"])
-    return f"{len(measured)} of {len(runs)} runs", memory.memory_tables(rows, libraries, notes, True)
+    return f"{len(measured)} of {len(planned)} runs", memory.memory_tables(rows, libraries, notes, True)
 
 
 def report_text(check, current=None):
@@ -287,13 +288,13 @@ def main(argv=None):
     check.out.mkdir(parents=True, exist_ok=True)
     check.write()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        for name, kind, title, settings, scripts in plan(args):
+        for name, kind, title, settings, runs in plan(args):
             if kind == "throughput":
-                state, text = run_throughput(check, name, title, settings, scripts, scratch)
+                state, text = run_throughput(check, name, title, settings, runs, scratch)
             elif kind == "input":
                 state, text = run_input(check, settings)
             else:
-                state, text = run_memory(check, name, settings, scripts)
+                state, text = run_memory(check, name, settings, runs)
             check.stages.append((name, title, state, text))
             check.write()
     from benchmarks.runs import SOME_FAILED

@@ -185,17 +185,18 @@ def table_rows(report):
 @pytest.mark.slow
 def test_gpu_check_at_smoke_size(tmp_path):
     """`bash gpu_check.sh --smoke`: its steps end to end on this CPU (the modules first, the GPU
-    count, the scripts and their bare loops, the report, the input pipeline), with the table's
-    figures taken from the records; run by the interpreter PYTHON names, which is not on PATH;
+    count, 16 beside its bare loop compiled as 16 is, 09 at batch 128 beside its own, the report,
+    the input pipeline at 4, 8 and 16 workers), with the table's figures taken from the records; run by the interpreter PYTHON
+    names, which is not on PATH;
     every output in results/gpu-check/ under the folder it ran in, nothing else left (no model
     files, no checkpoints), and the checkout as it was. (A kill at any moment leaves a whole
     report: the test below reads it at every moment of a check.)"""
     env = dict(without_the_interpreter_on_path(tmp_path),
                PYTHON=sys.executable)  # an unactivated virtual environment's python, say
     checkout = checkout_files()
-    # at smoke size, and for the suite's time only the baseline, one round (every precision and
-    # strategy goes through the report in test_gpu_rehearsal.py)
-    flags = ["--smoke", "--max-steps", "8", "--repeat", "1", "--scripts", "01"]
+    # at smoke size, and for the suite's time 16 and 09 alone, one round (01 and 04 run in the test
+    # below; every precision and strategy goes through the report in test_gpu_rehearsal.py)
+    flags = ["--smoke", "--max-steps", "8", "--repeat", "1", "--scripts", "16", "09@128"]
     proc = subprocess.run(["bash", str(ROOT / "gpu_check.sh"), *flags],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -205,7 +206,8 @@ def test_gpu_check_at_smoke_size(tmp_path):
     report = (out / "gpu-check.md").read_text()
     assert report.startswith("## GPU check, ") and "no NVIDIA GPU: a CPU run; GPUs the scripts see: 0" in report
     records = read_records(out / "gpu-check.jsonl")
-    assert [r["script"][:2] for r in records] == ["01"]
+    assert [(r["script"][:2], r["batch_size"], r["compile_mode"]) for r in records] == [
+        ("16", 16, "reduce-overhead"), ("09", 128, None)]  # 09 compiles on a GPU
     assert all(r["synthetic"] and r["test_acc"] is None for r in records)
     rows = table_rows(report)
     scripts = [r for r in rows if r[0] != "bare loop"]
@@ -216,7 +218,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
                                                               record["precision"], record["world_size"])
         assert float(row[5]) == pytest.approx(record["images_per_s"], abs=0.06)
         assert row[7] != "-"  # every script has its bare loop to compare with
-    assert scripts[0][6] == "1.00"  # 01 against itself, in the same round
+    assert "16 at batch 16: its first 3 steps, with torch.compile's first compile, took" in report
     assert "What this run shows, on CPU" in report and "What it cannot say: anything about a GPU" in report
     # its own outputs, nothing else: no model file, no checkpoint, under it or where it ran
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.jsonl", "gpu-check.md"]
@@ -229,7 +231,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert charted.returncode == 0, charted.stderr[-2000:]
     assert "Chart written to results/charts.png" in charted.stdout
-    assert "workers:" in report and "09's pipeline" in report
+    assert all(f"- {w} workers:" in report for w in (4, 8, 16)) and "09's pipeline" in report
 
 
 def report_is_whole(report):
@@ -293,6 +295,7 @@ def test_gpu_check_within_its_minutes_leaves_a_partial_report_and_a_failure_its_
     # when 01's 8 steps are quick enough for the headline's second round to fit in the minute
     assert float(rows["01_pytorch-vit.py", "16"][5].split(" (")[0]) > 0, report
     assert rows["04_fabric-vit-mixed-precision.py", "16"][10] == "FAILED: exit 1: RuntimeError: broken on purpose"
+    assert "### 2. The fast recipe" in report  # measured, or not run saying why: the minute is short
     assert re.search(r"^- headline: .*; round 1 stopped before 16, planned at \d+ s with \d+ s left$", report, re.M), report
 
 
@@ -431,11 +434,12 @@ def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = gpu_check.parse_args(["--out", str(tmp_path)])
     stages = gpu_check.plan(args)
-    assert [(name, [s[:2] for s in scripts]) for name, _, _, _, scripts in stages] == [
-        ("headline", ["01", "04", "16"]), ("fast", ["09"]), ("input", []), ("sequel", ["11", "12", "13", "14"])]
-    asked = gpu_check.plan(gpu_check.parse_args(["--scripts", "01", "03"]))  # in place of the throughput stages
-    assert [(name, [s[:2] for s in scripts]) for name, _, _, _, scripts in asked] == [
-        ("lessons", ["01", "03"]), ("input", []), ("sequel", ["11", "12", "13", "14"])]
+    assert [(name, [(s[:2], b) for s, b in runs]) for name, _, _, _, runs in stages] == [
+        ("headline", [("01", 16), ("04", 16), ("16", 16)]), ("fast", [("09", 128)]), ("input", []),
+        ("sequel", [(n, None) for n in ("11", "12", "13", "14")])]
+    asked = gpu_check.plan(gpu_check.parse_args(["--scripts", "01", "09@128"]))  # in place of the throughput stages
+    assert [(name, [(s[:2], b) for s, b in runs]) for name, _, _, _, runs in asked] == [
+        ("lessons", [("01", 16), ("09", 128)]), ("input", []), ("sequel", [(n, None) for n in ("11", "12", "13", "14")])]
     check = gpu_check.Check(args)
     assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: 1" \
         in gpu_check.report_text(check)
@@ -505,8 +509,8 @@ def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
                         lambda script, batch, *a: (ran.append(script[:2]) or dict(smoke[script], cpu_wait_share=0.5), 10.0))
     monkeypatch.setattr(throughput, "run_bare", lambda record, *a: ({"images_per_s": 1.0, "peak_memory_gb": 1.0}, 5.0))
     check = gpu_check.Check(gpu_check.parse_args(["--smoke", "--out", str(tmp_path)]), gpus=0)
-    scripts = ["01_pytorch-vit.py", "03_fabric-vit.py"]
-    for script in scripts:
+    scripts = [("01_pytorch-vit.py", 16), ("03_fabric-vit.py", 16)]
+    for script, _ in scripts:
         check.keep("run", (script, 16), 10.0)
         check.keep("bare loop", (script, 16), 5.0)
     check.deadline = time.monotonic() + 20  # room for one 10 s run and its 5 s bare loop, not two

@@ -273,6 +273,6 @@ print(before == after)
 def test_the_lessons_imports_are_in_isort_order():
     """`ruff check --select I` on the numbered scripts: one name a line (ruff.toml), so that a lesson
     adding a name adds a line and its diff stays the lesson."""
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "I", *map(str, LESSONS)],
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "I", *map(str, LESSONS)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout[-2000:]
