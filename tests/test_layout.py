@@ -254,6 +254,7 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     assert rowless.returncode == 1 and "add each one's row to lessons.csv" in rowless.stdout, rowless.stdout[-2000:]
 
 
+@pytest.mark.slow
 def test_importing_run_keeping_does_nothing():
     """Importing run_keeping (and local_utilities, which a script imports) registers no exit
     handler, signal handler or excepthook and leaves the garbage collector alone, wherever a

@@ -493,6 +493,7 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     assert "corrupt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_names_the_start_over_that_leaves_no_empty_folder(parse, tmp_path, capsys):
     """A truncated checkpoint in the default folder: the one line gives the command that starts
     over; where that new run stops before its first checkpoint (here: exits at once), nothing of
