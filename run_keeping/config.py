@@ -59,11 +59,6 @@ def lessons():
                             for k, v in row.items()} for row in rows}
 
 
-def lesson_of(number):
-    """The script named by its number ("04"), and its row."""
-    return next((script, row) for script, row in lessons().items() if script.startswith(number))
-
-
 # -- the commands the suite prints ---------------------------------------------------------------
 def invoked(*flags):
     """The command that runs this program again with `flags`: the script named as it was invoked

@@ -28,7 +28,7 @@ from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, star
 from run_keeping.files import append_record, sha256, write_atomically
 from run_keeping.processes import (StopVote, bound_waits, device_name, fall_back_from_bf16, forget_cpu_peak,
                                    fsdp_units, gather, launcher, lost_peer, opening_line, peak_memory_gb,
-                                   share_cpu_threads, together, cpu_from, waiting_share, BUSY_WAIT)
+                                   share_cpu_threads, together, BUSY_WAIT, cpu_from, waiting_share)
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches; the loss guard reads then
 WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
@@ -68,7 +68,7 @@ class RunKeeper:
         if fabric and fabric.device.type == "cpu":
             share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", config.devices)))
         self.meter, self.vote, self.figures = StepMeter(config.accelerator == "cuda", config.micro_batches), StopVote(fabric), Figures()
-        self.first_batch = 0  # the loop's count of the first epoch's batches starts here: a mid-epoch --resume's
+        self.first_batch = 0  # where the loop counts its batches from: 0, or where a run stopped mid-epoch was
 
     def print(self, *a):
         """print on global rank 0 only: fabric.print prints once per machine."""
@@ -134,7 +134,7 @@ class RunKeeper:
 
     def checkpoint(self, epoch, model, optimizer, val_acc, scheduler=None):
         """After an epoch's validation: keep its figures and save the checkpoint to resume from."""
-        self.scheduler = scheduler or self.scheduler or scheduler_of(optimizer)
+        self.scheduler = scheduler or self.scheduler
         if self.first_batch:  # the loop's train accuracy counted only the batches since the resume
             self.print(resumed_epoch_line(self.first_batch, self.meter.steps_per_epoch))
             self.first_batch = 0
@@ -177,7 +177,7 @@ class RunKeeper:
         waited = max(gather(self.fabric, waiting_share(self.cpu_from)))
         self.print(closing_lines(totals["train_time_s"], max(memory), images_per_s,
                                  None if self.config.synthetic else test_acc, waited))
-        ran = {"warmup_s": self.meter.warmup_s and round(self.meter.warmup_s, 3), "cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
+        ran = {"cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
                "precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
                "world_size": self.world_size, "parameters_per_process": self.held_parameters,
                **techniques(model, self.optimizer, self.fabric, self.scheduler), "lr_end": self.optimizer.param_groups[0]["lr"]}
@@ -262,6 +262,7 @@ def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test
         "train_time_s": round(totals["train_time_s"], 3),
         "images_per_s": None if images_per_s is None else round(images_per_s, 2),
         "timed_images": int(totals["timed_images"]), "timed_seconds": round(totals["timed_seconds"], 3),
+        "warmup_s": totals["warmup_s"] and round(totals["warmup_s"], 3),
         "peak_memory_gb": round(max(memory), 4), "peak_memory_gb_per_process": [round(m, 4) for m in memory],
         **{k: v for k, v in ran.items() if k not in ("init", "precision", "precision_asked", "world_size")},
         "train_loss": figures.train_loss, "lr": figures.lr,
@@ -475,12 +476,12 @@ class StepMeter:
     def totals(self, fabric, tensor_parallel, earlier, train_time_s):
         """Timed training images of all processes (each image once: a tensor-parallel group
         shares its batch), the slowest process's seconds, and the training time, each including
-        the part before a --resume (`earlier`)."""
+        the part before a --resume (`earlier`); and this process's untimed first steps (warmup_s)."""
         images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
         if fabric and fabric.world_size > 1:
             images = fabric.all_reduce(images, reduce_op="sum") / tensor_parallel
             seconds = fabric.all_reduce(seconds, reduce_op="max")
-        return {"timed_images": float(images) + earlier["timed_images"],
+        return {"timed_images": float(images) + earlier["timed_images"], "warmup_s": self.warmup_s,
                 "timed_seconds": float(seconds) + earlier["timed_seconds"],
                 "train_time_s": earlier["train_time_s"] + train_time_s}
 

@@ -57,6 +57,20 @@ def test_no_measured_figure_outside_the_blocks(page):
         assert all(n in talk or n in blocks for n in number.split("-")), f"{page.name}: {figure} is no record's"
 
 
+def test_steps_mean_optimizer_steps_in_help_docs_and_records(capsys, monkeypatch):
+    """--max-steps counts optimizer steps in --help and in the flags' page, and the record names
+    what it counts: the batches loaded (micro-batches in 12-14) and the optimizer steps apart."""
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["12_fabric-vit-grad-accumulation.py", "--help"])
+    with pytest.raises(SystemExit):
+        runpy.run_path(str(ROOT / "12_fabric-vit-grad-accumulation.py"), run_name="__main__")
+    assert "train N optimizer steps per epoch" in " ".join(capsys.readouterr().out.split())
+    flags = (ROOT / "docs" / "flags-records-exit-codes.md").read_text()
+    assert "| `--max-steps N` | `--synthetic`: 20, one epoch | train N optimizer steps per epoch" in flags
+    assert "`batches_loaded` (the batches the loader handed out; 12-14: micro-batches) and\n  `optimizer_steps`" in flags
+    assert "`steps`" not in flags
+
+
 def test_help_texts_state_no_time(capsys, monkeypatch):
     """A help text that says how long something takes goes stale: none does."""
     import runpy
