@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,38 +162,25 @@ def check_ok(procs, outputs, what):
 
 
 def descendants(pid):
-    """Every process below `pid`, found through /proc (torchrun starts its workers in sessions of
+    """The pids of every process below `pid` (psutil: torchrun starts its workers in sessions of
     their own, so killing a process group is not enough)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def kill_group(proc, sig=signal.SIGKILL):
     """Send `sig` to a started script and everything it started; return its output."""
-    for pid in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+    def send(signum):
+        for pid in [proc.pid, *descendants(proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    send(sig)
     try:
         return proc.communicate(timeout=60)[0]
     except subprocess.TimeoutExpired:
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        send(signal.SIGKILL)
         return proc.communicate()[0]
 
 
