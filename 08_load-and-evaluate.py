@@ -33,7 +33,7 @@ from run_keeping.config import MOST_WORKERS
 from run_keeping.config import Parser
 from run_keeping.config import check_path
 from run_keeping.config import whole_number
-from run_keeping.files import record_of
+from run_keeping.record import record_of
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the runs record
@@ -91,7 +91,7 @@ def newest_model(args):
         record = record_of(path, args.results)
         kind = record["kind"] if record else (re.findall(r"-(smoke-synthetic|smoke|synthetic)(?=-|$)",
                                                          os.path.basename(path)[:-3]) or ["full"])[0]
-        whole = record.get("whole", True) if record else "-max-steps" not in os.path.basename(path)
+        whole = record["whole"] if record else "-max-steps" not in os.path.basename(path)
         (kinds.setdefault(kind, []) if whole else cut_short).append(path)
     models = kinds.get("smoke" if args.smoke else "full", [])
     if not models:
@@ -169,7 +169,7 @@ if __name__ == "__main__":
     fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=1, precision=precision)
     print(f"Loading {args.model} on {fabric.device} in {precision}"
           + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else "")
-          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record.get("compiled") else ""))
+          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record["compiled"] else ""))
 
     #########################################
     ### 1 Loading the model

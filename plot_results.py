@@ -24,7 +24,7 @@ from run_keeping.config import Parser
 from run_keeping.config import chart_command
 from run_keeping.config import check_path
 from run_keeping.config import lessons
-from run_keeping.files import read_records
+from run_keeping.record import read_runs, upgrade
 
 ROOT = Path(__file__).resolve().parent
 BASELINE = "01_pytorch-vit.py"
@@ -43,24 +43,16 @@ def warn(message):
     print(f"plot_results.py: {message}", file=sys.stderr)
 
 
-def kind_of(record):
-    """full, smoke, synthetic or smoke-synthetic (records before "kind" existed: from the flags)."""
-    if record.get("kind"):
-        return record["kind"]
-    return "-".join(k for k in ("smoke", "synthetic") if record.get(k)) or "full"
-
-
 def usable_records(path, known):
     """The records of a JSONL file that can be charted; bad lines are named, skipped and
     reported."""
     try:
-        records = read_records(path, skip=lambda number, why: warn(f"{path}:{number}: {why}, skipped"),
-                               numbered=True)
+        records = read_runs(path, skip=lambda number, why: warn(f"{path}:{number}: {why}, skipped"), numbered=True)
     except OSError as err:
         fail(f"cannot read {path}: {err.strerror or err}")
     usable = []
     for number, record in records:
-        missing = [key for key in NEEDED if record.get(key) is None]
+        missing = [key for key in NEEDED if record[key] is None]
         if missing:
             warn(f"{path}:{number}: record lacks {', '.join(missing)}, skipped")
         elif record["script"] not in known:
@@ -91,12 +83,11 @@ def read_log(path, known):
         if script not in known:
             warn(f"{path}: unknown script {script!r}, skipped{NEW_LESSON}")
             continue
-        record = {"script": script, "device_name": f"log {Path(path).name}", "world_size": None,
-                  "images_per_s": None, "smoke": False, "synthetic": False}
+        record = upgrade({"script": script, "device_name": f"log {Path(path).name}", "kind": "full"})
         for key, (pattern, convert) in LOG_PATTERNS.items():
             found = pattern.findall(body)
             record[key] = convert(float(found[-1])) if found else None
-        missing = [key for key in NEEDED if record.get(key) is None]
+        missing = [key for key in NEEDED if record[key] is None]
         if missing:
             warn(f"{path}: {script} lacks {', '.join(missing)}, skipped")
             continue
@@ -117,7 +108,7 @@ def configuration(record):
     """What a ratio may be formed across: runs of the same kind, per-process batch, image size
     (the kind's), model and number of processes. Logs in the talk's format have none of these:
     they compare among themselves."""
-    return (kind_of(record), record.get("batch_size"), record.get("model"), record.get("world_size"))
+    return (record["kind"], record["batch_size"], record["model"], record["world_size"])
 
 
 def select(records, kind, everything=False):
@@ -125,19 +116,19 @@ def select(records, kind, everything=False):
     script, configuration and seed, summarised per script and configuration (mean, range, n),
     keyed (script, configuration). Runs cut short by --max-steps are left out unless
     `everything`. Returns (kind, runs, [what was left out and why])."""
-    left_out = [] if everything else [r for r in records if r.get("whole") is False]
-    records = [r for r in records if everything or r.get("whole") is not False]
+    left_out = [] if everything else [r for r in records if not r["whole"]]
+    records = [r for r in records if everything or r["whole"]]
     for chosen in [kind] if kind else KINDS:
         runs = {}
         for record in records:  # later lines are later runs
-            if kind_of(record) == chosen:
-                runs.setdefault((record["script"], configuration(record)), {})[record.get("seed")] = record
+            if record["kind"] == chosen:
+                runs.setdefault((record["script"], configuration(record)), {})[record["seed"]] = record
         if runs:
             if not kind and chosen != "full":
                 warn(f"no full runs found: showing {chosen} runs (not comparable to the talk)")
-            notes = [f"left out, cut short by {r.get('cut_short_by') or '--max-steps'} (a debugging run, not a "
-                     f"result; --all includes it): {r['script']} seed {r.get('seed')}"
-                     for r in left_out if kind_of(r) == chosen]
+            notes = [f"left out, cut short by {r['cut_short_by'] or '--max-steps'} (a debugging run, not a "
+                     f"result; --all includes it): {r['script']} seed {r['seed']}"
+                     for r in left_out if r["kind"] == chosen]
             return chosen, {key: summarise(list(by_seed.values())) for key, by_seed in sorted(runs.items(), key=order)}, notes
     return kind or "full", {}, []
 
@@ -163,7 +154,7 @@ def hardware(latest):
     """The devices the runs ran on, with how many processes a run used."""
     names = {}
     for record in latest.values():
-        names.setdefault(record.get("device_name") or "unknown device", set()).add(record.get("world_size"))
+        names.setdefault(record["device_name"] or "unknown device", set()).add(record["world_size"])
     parts = []
     for name, counts in names.items():
         counts = sorted(c for c in counts if c)
@@ -182,9 +173,9 @@ def speedup(record, baseline):
     without a baseline of the same configuration."""
     if not record or not baseline or configuration(record) != configuration(baseline):
         return None
-    if record.get("images_per_s") and baseline.get("images_per_s"):
+    if record["images_per_s"] and baseline["images_per_s"]:
         return record["images_per_s"] / baseline["images_per_s"]
-    if record.get("train_time_s") and baseline.get("train_time_s"):
+    if record["train_time_s"] and baseline["train_time_s"]:
         return baseline["train_time_s"] / record["train_time_s"]
     return None
 
@@ -199,15 +190,15 @@ def differences(record, reference):
     the precision that ran where the device could not run the one asked for."""
     talk = reference.get(record["script"], {})
     found = []
-    if record.get("precision_asked") and record.get("precision") != record["precision_asked"]:
+    if record["precision_asked"] and record["precision"] != record["precision_asked"]:
         found.append(f"ran {record['precision']}")
-    if record.get("batch_size") and record["batch_size"] != 16:
+    if record["batch_size"] and record["batch_size"] != 16:
         found.append(f"batch {record['batch_size']}")
-    if record.get("world_size") and talk.get("devices") and record["world_size"] != talk["devices"]:
+    if record["world_size"] and talk.get("devices") and record["world_size"] != talk["devices"]:
         found.append(f"{record['world_size']} process{'es' if record['world_size'] > 1 else ''}")
-    if record.get("model") not in (None, "vit_b_16", "smoke ViT"):
+    if record["model"] not in (None, "vit_b_16", "smoke ViT"):
         found.append(record["model"])
-    if record.get("busy"):
+    if record["busy"]:
         found.append("BUSY: shared CPU")
     return found
 
@@ -225,14 +216,14 @@ def table(latest, reference, kind, notes=()):
     unformed = []
     for key in latest:
         script, r, t = key[0], latest[key], reference[key[0]]
-        acc = f"{r['test_acc'] * 100:.2f}" if r.get("test_acc") is not None else "-"
-        ips = f"{r['images_per_s']:.1f}" if r.get("images_per_s") is not None else "-"
+        acc = f"{r['test_acc'] * 100:.2f}" if r["test_acc"] is not None else "-"
+        ips = f"{r['images_per_s']:.1f}" if r["images_per_s"] is not None else "-"
         low, high = r.get("range", {}).get("test_acc", (None, None))
         spread = f"{low * 100:.2f}-{high * 100:.2f}" if r.get("n", 1) > 1 and low is not None else "-"
         ratio = speedup(r, baseline_of(key, latest))
         if ratio is None and script != BASELINE:
             unformed.append(script[:2])
-        settings = ", ".join([r.get("init") or "", *differences(r, reference)]).strip(", ") or "-"
+        settings = ", ".join([r["init"] or "", *differences(r, reference)]).strip(", ") or "-"
         lines.append(
             f"{script:<34} {r['train_time_s'] / 60:>9.2f} {show(t['time_min'], '{:.2f}'):>7} "
             f"{acc:>7} {show(t['test_acc_pct'], '{:.2f}'):>7} {r['peak_memory_gb']:>7.2f} "
@@ -254,7 +245,7 @@ def short_label(record, reference):
     it did otherwise than the talk's run."""
     script = record["script"]
     technique = reference[script]["technique"].split(", stepped")[0].replace(", ImageNet-pretrained", "")
-    init = (record.get("init") or "").split(",")[0]
+    init = (record["init"] or "").split(",")[0]
     init = "" if init in technique else init  # 00's technique says it already
     lines = [script[:2], textwrap.fill(technique, 15), *([textwrap.fill(init, 15)] if init else []),
              *differences(record, reference)]
@@ -277,7 +268,7 @@ def figure(latest, reference, kind):
         ax.set_xticks(xs)
         ax.set_xticklabels(labels, fontsize=7)
         ax.set_xlim(-0.6, len(keys) - 0.4)
-        ours = [convert(latest[k][key]) if latest[k].get(key) is not None else None for k in keys]
+        ours = [convert(latest[k][key]) if latest[k][key] is not None else None for k in keys]
         if all(value is None for value in ours) and not talk_key:
             ax.set_yticks([])
             ax.text(0.5, 0.5, f"no data: none of these {kind} records has {key}",
@@ -331,7 +322,7 @@ def headline_of(latest, kind, fig):
                      "started from; on a CPU, memory is the process's peak resident memory)")
     if kind == "full":
         headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
-    busy = sorted(r["script"][:2] for r in latest.values() if r.get("busy"))
+    busy = sorted(r["script"][:2] for r in latest.values() if r["busy"])
     if busy:
         headline += f"\nBUSY (another program shared the CPU; times not comparable): {', '.join(busy)}"
     # wrapped to the figure's width: at most 7.5 pixels a character at 9 points and 100 dpi
@@ -392,7 +383,7 @@ def table_and_chart(args):
         fail(f"nothing to draw: no usable run in {', '.join([args.results, *args.log])}")
     kind, latest, notes = select(records, args.kind, args.all)
     if not latest:
-        there = sorted({kind_of(r) for r in records})
+        there = sorted({r["kind"] for r in records})
         left = f" ({'; '.join(notes)})" if notes else ""
         fail(f"nothing to draw: no {kind} runs in {args.results}{left}; it holds {', '.join(there)} "
              f"runs: chart them with {' or '.join(chart_command(k, args.results) for k in there)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from run_keeping import first_sentence
 from run_keeping.config import lessons
+from run_keeping.record import upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -95,7 +96,7 @@ def run_script(script, flags, results, env=None, timeout=None):
     new = lines()[before:]
     if not new:
         raise RunFailed("it ended without appending its record")
-    return json.loads(new[-1]), seconds
+    return upgrade(json.loads(new[-1])), seconds
 
 
 # -- the benchmark's own child processes ----------------------------------------------------------

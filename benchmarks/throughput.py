@@ -67,13 +67,11 @@ def run_configuration(script, batch, args, scratch, timeout=None):
 def bare_spec(record):
     """What a script's record says it computed, which its bare loop computes too."""
     return {"precision": record["precision"], "strategy": record["strategy"],
-            "processes": record["world_size"], "tensor_parallel": record.get("tensor_parallel_size") or 1,
-            "batch": record["batch_size"], "micro_batches": record.get("micro_batches") or 1,
-            "checkpointing": bool(record.get("activation_checkpointing")),
-            "optimizer": record.get("optimizer") or "Adam", "parallelize": record.get("parallelize"),
-            "optimizer_kernel": record.get("optimizer_kernel"),  # compiled as the script was (records
-            # before compile_mode: compiled with torch.compile's default, or not)
-            "compile_mode": record.get("compile_mode", "default" if record.get("compiled") else None)}
+            "processes": record["world_size"], "tensor_parallel": record["tensor_parallel_size"] or 1,
+            "batch": record["batch_size"], "micro_batches": record["micro_batches"] or 1,
+            "checkpointing": bool(record["activation_checkpointing"]),
+            "optimizer": record["optimizer"] or "Adam", "parallelize": record["parallelize"],
+            "optimizer_kernel": record["optimizer_kernel"], "compile_mode": record["compile_mode"]}
 
 
 def bare_key(record):

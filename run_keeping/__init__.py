@@ -8,6 +8,7 @@
     processes.py    the run's processes and devices: who started them, what they decide
                     together, CPU threads, bfloat16 where the device has none, memory
     checkpoints.py  checkpoints and --resume, random states, the finetuned model file
+    record.py       the run record: its fields and types (Record), built and read here only
     keeper.py       RunKeeper, what a script calls: its timing, signals and record
 
 Importing it does nothing; a program's parser (config.Parser) starts the run (start_run: the

@@ -134,20 +134,6 @@ def read_records(path, skip=None, numbered=False):
     return records
 
 
-def record_of(model_file, results):
-    """The newest run record in `results` that saved the model now in `model_file` (the same
-    path and, where the record has it, the same contents), or None."""
-    try:
-        records = read_records(results)
-        digest = sha256(Path(model_file).read_bytes())
-    except (OSError, ValueError):
-        return None
-    wanted = Path(model_file).resolve()
-    return next((r for r in reversed(records)
-                 if r.get("model_file") and Path(r["model_file"]).resolve() == wanted
-                 and r.get("model_sha256", digest) == digest), None)
-
-
 def sha256(data):
     return hashlib.sha256(data).hexdigest()
 

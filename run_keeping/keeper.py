@@ -7,35 +7,29 @@ in training at its next optimizer step (in every process at the same step), afte
 checkpoint of where it is; before training, during its last evaluation, or at a second signal, at
 once. The errors a user can act on (torch.compile without its compiler, a GPU out of memory, a
 process of the run lost) replace the traceback."""
-import importlib.metadata
 import io
 import os
-import platform
 import re
-import resource
 import signal
-import socket
 import sys
 import time
-from datetime import datetime, timezone
 
 import torch
 
-from run_keeping import EXIT_CODES, clean_up, fail, first_sentence, leave, on_exit, process_age_s
+from run_keeping import EXIT_CODES, clean_up, fail, first_sentence, leave, on_exit
 from run_keeping.checkpoints import (SETTINGS, Checkpoints, continue_data_order, count_local_parameters,
                                      count_parameters, held_line, plain_state_dict, rng_states)
 from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, started_flags
+from run_keeping.record import build, compile_mode, techniques
 from run_keeping.files import append_record, sha256, write_atomically
 from run_keeping.processes import (StopVote, bound_waits, device_name, fall_back_from_bf16, forget_cpu_peak,
-                                   fsdp_units, gather, launcher, lost_peer, opening_line, peak_memory_gb,
+                                   fsdp_units, gather, lost_peer, opening_line, peak_memory_gb,
                                    share_cpu_threads, together, BUSY_WAIT, cpu_from, waiting_share)
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches; the loss guard reads then
 WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
              "synthetic": "{vit} from random init on random images and labels",
              "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
-STRATEGIES = {"SingleDeviceStrategy": "single-device", "DDPStrategy": "ddp",
-              "ModelParallelStrategy": "fsdp2-per-block", "FSDPStrategy": "fsdp"}
 COMPILERS = {  # what torch.compile needs on each device, and where to find it
     "cpu": "On a CPU it needs a working C++ compiler: install g++ (or point CXX at one)",
     "cuda": "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build "
@@ -180,21 +174,22 @@ class RunKeeper:
         ran = {"cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
                "precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
                "world_size": self.world_size, "parameters_per_process": self.held_parameters,
-               **techniques(model, self.optimizer, self.fabric, self.scheduler), "lr_end": self.optimizer.param_groups[0]["lr"]}
-        record = make_record(self.config, self.fabric, ran, self.figures, totals, images_per_s, memory, test_acc)
+               **techniques(model, self.optimizer, self.fabric, self.scheduler)}
         self.stopping.phase = "finishing"  # a signal now waits until the model and the record are written
-        together(self.fabric, lambda: self._keep(state, record) if self.rank == 0 else None)
+        together(self.fabric, lambda: self._keep(state, ran, totals, images_per_s, memory, test_acc)
+                 if self.rank == 0 else None)
         self.stopping.finished()  # a signal noted while they were written stops the run now
         if self.world_size > 1:
             leave(0)  # the run is done: the last line of every script
 
-    def _keep(self, state, record):
+    def _keep(self, state, ran, totals, images_per_s, memory, test_acc):
         """Process 0: the model file and the run record, then the checkpoints go."""
         c, buffer, kept = self.config, io.BytesIO(), what_is_kept(self.config, self.checkpoints.folder)
         torch.save(state, buffer)
         write_atomically(c.save_model, buffer.getvalue(), then=kept)
-        append_record(c.results, {**record, "model_sha256": sha256(buffer.getvalue())},
-                      then=f"The model is saved in {c.save_model}, and {kept}.")
+        record = build(c, self.fabric, ran, self.figures, totals, images_per_s, memory, test_acc,
+                       model_sha256=sha256(buffer.getvalue()))
+        append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
         self.checkpoints.remove_all()
         self.print(last_lines(c, self.init))
 
@@ -239,40 +234,6 @@ class Figures:
         self.optimizer_steps = progress.get("optimizer_steps", self.batches_loaded)
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
         self.earlier = {k: progress[k] for k in self.earlier}
-
-
-def make_record(config, fabric, ran, figures, totals, images_per_s, memory, test_acc):
-    """What ran (script, kind, start, machine, processes, precision asked and run, strategy,
-    settings) and what it measured (time, throughput, memory, per-epoch loss, lr and validation
-    accuracy, test accuracy), the model file, versions, host and time."""
-    c = config
-    strategy = type(fabric.strategy).__name__ if fabric else "SingleDeviceStrategy"
-    strategy = "tensor-parallel+fsdp2" if c.tensor_parallel > 1 else STRATEGIES.get(strategy, strategy)
-    return {
-        "script": c.script, "kind": c.kind or "full", "smoke": c.smoke, "synthetic": c.synthetic,
-        "init": ran["init"], "whole": c.whole, "cut_short_by": None if c.whole else f"--max-steps {c.max_steps}",
-        "resumed": figures.resumed, "launcher": launcher(fabric), "accelerator": c.accelerator,
-        "device_name": device_name(c.accelerator), "devices": c.devices, "num_nodes": c.num_nodes,
-        "world_size": ran["world_size"], "data_parallel_size": c.data_parallel,
-        "tensor_parallel_size": c.tensor_parallel, "precision": ran["precision"],
-        "precision_asked": ran["precision_asked"], "strategy": strategy,
-        "model": "smoke ViT" if c.smoke else c.vit, "epochs": c.epochs, "batch_size": c.batch_size,
-        "micro_batches": c.micro_batches, "seed": c.seed, "max_steps": c.max_steps,
-        "batches_loaded": figures.batches_loaded, "optimizer_steps": figures.optimizer_steps,
-        "train_time_s": round(totals["train_time_s"], 3),
-        "images_per_s": None if images_per_s is None else round(images_per_s, 2),
-        "timed_images": int(totals["timed_images"]), "timed_seconds": round(totals["timed_seconds"], 3),
-        "warmup_s": totals["warmup_s"] and round(totals["warmup_s"], 3),
-        "peak_memory_gb": round(max(memory), 4), "peak_memory_gb_per_process": [round(m, 4) for m in memory],
-        **{k: v for k, v in ran.items() if k not in ("init", "precision", "precision_asked", "world_size")},
-        "train_loss": figures.train_loss, "lr": figures.lr,
-        "val_acc": None if c.synthetic else figures.val_acc, "test_acc": None if c.synthetic else test_acc,
-        "model_file": str(c.save_model), "compiled": compiled(), "checkpoint_s": figures.checkpoint_s,
-        "run_s": process_age_s() and round(process_age_s(), 3), "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
-        "torch": torch.__version__, "torchvision": version("torchvision"),
-        "lightning": version("lightning"), "python": platform.python_version(),
-        "hostname": socket.gethostname(), "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
 
 
 class Stopping:
@@ -519,21 +480,6 @@ class StepMeter:
                  f"{bad}: stopping; no checkpoint or record written for it.", code=1)
 
 
-def techniques(model, optimizer, fabric, scheduler=None):
-    """What the memory arithmetic and the bare loop need that the precision and strategy do not
-    say: the optimizer and its kernel (fused, foreach or a loop per parameter), whether blocks are
-    checkpointed, the parallelize function, and the FSDP2 units and how many of them keep their
-    shards in CPU memory (15's offload), as the model carries them."""
-    parallelize = getattr(getattr(fabric, "strategy", None), "_parallelize_fn", None)
-    units, offloaded = fsdp_units(model)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return {"optimizer": type(inner).__name__, "optimizer_kernel": optimizer_kernel(inner),
-            "activation_checkpointing": any(type(m).__name__ == "CheckpointWrapper" for m in model.modules()),
-            "parallelize": getattr(parallelize, "__name__", None),
-            "fsdp2_units": units, "cpu_offload_units": offloaded, "schedule": schedule_name(scheduler),
-            "compile_mode": compile_mode(model)}
-
-
 def scheduler_of(optimizer):
     """The learning-rate scheduler made on `optimizer`, or None: found among what refers to the
     optimizer, since a scheduler keeps the optimizer and not the other way round. So a script
@@ -549,56 +495,3 @@ def scheduler_of(optimizer):
     nested = {id(s) for outer in found for s in getattr(outer, "_schedulers", [])}
     outer = [s for s in found if id(s) not in nested]
     return outer[0] if outer else None
-
-
-def schedule_name(scheduler):
-    """The schedule that ran, as its class names it ("none" without one): ExponentialLR,
-    CosineAnnealingLR, or 09's LambdaLR(warmup_then_cosine)."""
-    if scheduler is None:
-        return "none"
-    name = type(scheduler).__name__
-    if hasattr(scheduler, "lr_lambdas"):
-        name += f"({scheduler.lr_lambdas[0].__qualname__.split('.<locals>')[0]})"
-    inner = getattr(scheduler, "_schedulers", None)
-    return f"{name}({', '.join(map(schedule_name, inner))})" if inner else name
-
-
-def optimizer_kernel(optimizer):
-    """How torch.optim stepped: "fused", "foreach" or "for-loop", as its own default chooses
-    when the script set neither (torch.optim.optimizer._default_to_fused_or_foreach: foreach
-    where every parameter is a plain tensor on a GPU, a loop on a CPU and for DTensor shards in
-    CPU memory)."""
-    from torch.optim.optimizer import _default_to_fused_or_foreach
-    defaults = optimizer.defaults
-    if defaults.get("fused"):
-        return "fused"
-    if defaults.get("foreach") is not None:
-        return "foreach" if defaults["foreach"] else "for-loop"
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    fused, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
-    return "fused" if fused else "foreach" if foreach else "for-loop"
-
-
-def compile_mode(model):
-    """torch.compile's mode for the model ("default" where none was given), or None where the
-    script did not compile it: Lightning keeps what torch.compile was called with on the module
-    (_compile_kwargs), inside Fabric's wrapper too."""
-    from torch._dynamo.eval_frame import OptimizedModule
-    for module in (model, getattr(model, "_forward_module", None)):
-        if isinstance(module, OptimizedModule):
-            return (getattr(module, "_compile_kwargs", None) or {}).get("mode") or "default"
-    return None
-
-
-def compiled():
-    """Whether torch.compile compiled anything in this process."""
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    return bool(dynamo and dynamo.counters["stats"]["unique_graphs"])
-
-
-def version(package):
-    """A package's version without importing it (lightning takes seconds to import)."""
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None

@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.config import lessons  # noqa: E402
-from run_keeping.files import read_records  # noqa: E402  (the tests read records as the tools do)
+from run_keeping.files import read_records  # noqa: E402  (the records as the scripts wrote them)
 
 
 def pytest_configure(config):

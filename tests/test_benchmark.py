@@ -16,6 +16,7 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, read_records, script_env
+from run_keeping.record import read_runs, upgrade
 
 
 def test_vit_b_16_training_flops_match_the_known_figure():
@@ -46,9 +47,9 @@ def test_peak_tflops_per_precision_overrides_the_table():
 
 def round_records(script, precision, rates, processes=1, batch=16):
     """A configuration's records over the rounds: what its script appended in each."""
-    return [{"script": script, "batch_size": batch, "precision": precision, "world_size": processes,
-             "strategy": "single-device" if processes == 1 else "ddp", "images_per_s": rate,
-             "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"} for rate in rates]
+    return [upgrade({"script": script, "batch_size": batch, "precision": precision, "world_size": processes,
+                     "strategy": "single-device" if processes == 1 else "ddp", "images_per_s": rate,
+                     "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"}) for rate in rates]
 
 
 def test_mfu_and_ratios_in_the_rows():
@@ -362,13 +363,13 @@ def test_the_bare_loop_steps_with_the_scripts_optimizer_kernel(kernel, defaults)
     scripts' foreach, which would time the optimizer's kernel as the harness's cost."""
     optimizer = throughput.make_optimizer("Adam", torch.nn.Linear(2, 2).parameters(), kernel)
     assert {k: optimizer.defaults[k] for k in defaults} == defaults
-    record = {"precision": "32-true", "strategy": "single-device", "world_size": 1, "batch_size": 16,
-              "optimizer": "Adam", "optimizer_kernel": kernel}
+    record = upgrade({"precision": "32-true", "strategy": "single-device", "world_size": 1, "batch_size": 16,
+                      "optimizer": "Adam", "optimizer_kernel": kernel})
     assert throughput.bare_spec(record)["optimizer_kernel"] == kernel
 
 
 def test_the_record_says_which_kernel_the_optimizer_ran():
-    from run_keeping.keeper import optimizer_kernel
+    from run_keeping.record import optimizer_kernel
     cpu = [torch.nn.Parameter(torch.zeros(2))]
     assert optimizer_kernel(torch.optim.Adam(cpu)) == "for-loop"  # torch's default on a CPU
     assert optimizer_kernel(torch.optim.AdamW(cpu, fused=True)) == "fused"  # 09 on its GPU path
@@ -378,15 +379,16 @@ def test_the_record_says_which_kernel_the_optimizer_ran():
 def test_tensor_parallel_script_is_known_with_its_layout():
     args = benchmark.parse_args(["--scripts", "10"])
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
-    record = {"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
-              "tensor_parallel_size": 2, "batch_size": 16}
+    record = upgrade({"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
+                      "tensor_parallel_size": 2, "batch_size": 16})
     assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
         "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None,
         "optimizer_kernel": None, "compile_mode": None}
     # a compiled script's bare loop is compiled as it was, its mode too (records before compile_mode: default)
     assert throughput.bare_spec(dict(record, compile_mode="reduce-overhead"))["compile_mode"] == "reduce-overhead"
-    assert throughput.bare_spec(dict(record, compiled=True))["compile_mode"] == "default"
+    old = {k: v for k, v in record.items() if k not in ("compile_mode", "record_version")}
+    assert throughput.bare_spec(upgrade(dict(old, compiled=True)))["compile_mode"] == "default"
 
 
 FREED_BUT_RESIDENT = """
@@ -503,7 +505,7 @@ def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
     of the last two stages had room for one run). Here 01 would fit and 01 with 03 would not:
     nothing runs, and the stage says what stopped it; with room for both, the plan goes on."""
     from benchmarks import gpu_check
-    ran, smoke = [], {r["script"]: r for r in read_records(ROOT / "reference" / "benchmark-smoke.jsonl")}
+    ran, smoke = [], {r["script"]: r for r in read_runs(ROOT / "reference" / "benchmark-smoke.jsonl")}
     monkeypatch.setattr(throughput, "run_configuration",  # the planner under test, not the runs: a smoke record
                         # each, as a busy machine leaves it (its report's verdict then says how to measure longer)
                         lambda script, batch, *a: (ran.append(script[:2]) or dict(smoke[script], cpu_wait_share=0.5), 10.0))

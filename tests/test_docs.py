@@ -67,8 +67,17 @@ def test_steps_mean_optimizer_steps_in_help_docs_and_records(capsys, monkeypatch
     assert "train N optimizer steps per epoch" in " ".join(capsys.readouterr().out.split())
     flags = (ROOT / "docs" / "flags-records-exit-codes.md").read_text()
     assert "| `--max-steps N` | `--synthetic`: 20, one epoch | train N optimizer steps per epoch" in flags
-    assert "`batches_loaded` (the batches the loader handed out; 12-14: micro-batches) and\n  `optimizer_steps`" in flags
+    assert "| `batches_loaded`, `optimizer_steps` | the batches the loader handed out (12-14: micro-batches) and the optimizer steps taken |" in flags
     assert "`steps`" not in flags
+
+
+def test_the_docs_list_every_record_field_and_no_other():
+    """docs/flags-records-exit-codes.md's table of run-record fields is the schema's (Record)."""
+    from run_keeping.record import FIELDS
+    page = (ROOT / "docs" / "flags-records-exit-codes.md").read_text()
+    table = page.split("## Run records", 1)[1].split("\n\n| field |", 1)[1].split("\n\n", 1)[0]
+    documented = [name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row.split(" | ")[0])]
+    assert documented == FIELDS, "add the field to the table in docs/flags-records-exit-codes.md, in Record's order"
 
 
 def test_help_texts_state_no_time(capsys, monkeypatch):

@@ -15,7 +15,7 @@ from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SCRIPTS
 from run_keeping.processes import FALLBACKS
 from run_keeping.files import read_records
-from run_keeping.keeper import STRATEGIES
+from run_keeping.record import STRATEGIES
 
 GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H200": 141e9,
         "NVIDIA Quadro Z9000 (in no table)": 48e9}

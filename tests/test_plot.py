@@ -14,6 +14,7 @@ from conftest import ROOT
 
 import plot_results
 from run_keeping.config import lessons
+from run_keeping.record import upgrade
 from conftest import SCRIPTS
 
 
@@ -183,11 +184,11 @@ def fake_records(with_throughput=True):
     """{(script, configuration): record}, as plot_results.select keys them."""
     records = {}
     for i, script in enumerate(SCRIPTS):
-        record = {"script": script, "train_time_s": 1000.0 + 111 * i,
+        record = upgrade({"script": script, "train_time_s": 1000.0 + 111 * i,
                   "peak_memory_gb": 3.0 + 0.1 * i, "test_acc": 0.9 + 0.001 * i,
                   "images_per_s": (350.0 + 10 * i) if with_throughput else None,
                   "device_name": "NVIDIA H200", "world_size": 1, "batch_size": 16, "model": "vit_b_16",
-                  "kind": "full", "init": "ImageNet-pretrained, IMAGENET1K_V1"}
+                  "kind": "full", "init": "ImageNet-pretrained, IMAGENET1K_V1"})  # through the schema
         records[(script, plot_results.configuration(record))] = record
     return records
 
@@ -315,9 +316,9 @@ def test_spread_across_seeds_in_the_table_and_the_chart(tmp_path):
                                ("01_pytorch-vit.py", [0.95, 0.97, 0.96]),
                                ("03_fabric-vit.py", [0.96])):
         for seed, acc in enumerate(accuracies):
-            records.append({"script": script, "seed": seed, "kind": "smoke", "smoke": True,
-                            "train_time_s": 10.0 + seed, "peak_memory_gb": 1.0, "test_acc": acc,
-                            "images_per_s": 100.0 + 10 * seed, "device_name": "CPU", "world_size": 1})
+            records.append(upgrade({"script": script, "seed": seed, "kind": "smoke", "smoke": True,
+                                    "train_time_s": 10.0 + seed, "peak_memory_gb": 1.0, "test_acc": acc,
+                                    "images_per_s": 100.0 + 10 * seed, "device_name": "CPU", "world_size": 1}))
     records.append(dict(records[0], test_acc=0.5, seed=9, kind="smoke-synthetic"))  # another kind
     path = tmp_path / "runs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -342,8 +343,8 @@ def test_the_headline_says_how_many_processes_and_each_label_what_ran():
     next(r for r in records.values() if r["script"].startswith("05"))["world_size"] = 2
     assert plot_results.hardware(records) == "NVIDIA H200, 1 or 2 processes per run"
     reference = lessons()
-    smoke = {"script": "01_pytorch-vit.py", "init": "pretrained on printed digits, smoke_weights/x.pt",
-             "batch_size": 16, "world_size": 1, "model": "smoke ViT"}
+    smoke = upgrade({"script": "01_pytorch-vit.py", "init": "pretrained on printed digits, smoke_weights/x.pt",
+                     "batch_size": 16, "world_size": 1, "model": "smoke ViT"})
     label = plot_results.short_label(smoke, reference)
     assert "printed digits" in label and "ImageNet" not in label
     synthetic = dict(smoke, init="random init")  # a synthetic run starts from random init
@@ -366,10 +367,10 @@ def gpu_check_like_records():
     """Records as gpu_check.sh leaves them: synthetic, most at batch 16 on one process, 01 and
     04 also at batch 128, 09 at 128, 05 on 2 processes; and one debugging run cut short."""
     def run(script, batch, processes, images_per_s, **more):
-        return {"script": script, "kind": "synthetic", "synthetic": True, "batch_size": batch,
-                "world_size": processes, "model": "vit_b_16", "init": "random init",
-                "images_per_s": images_per_s, "train_time_s": 10.0, "peak_memory_gb": 3.0,
-                "test_acc": None, "device_name": "NVIDIA H200", "seed": 123, **more}
+        return upgrade({"script": script, "kind": "synthetic", "synthetic": True, "batch_size": batch,
+                        "world_size": processes, "model": "vit_b_16", "init": "random init",
+                        "images_per_s": images_per_s, "train_time_s": 10.0, "peak_memory_gb": 3.0,
+                        "test_acc": None, "device_name": "NVIDIA H200", "seed": 123, **more})
     return [run("01_pytorch-vit.py", 16, 1, 300.0), run("02_pytorch-vit-compile.py", 16, 1, 330.0),
             run("01_pytorch-vit.py", 128, 1, 800.0), run("04_fabric-vit-mixed-precision.py", 128, 1, 2000.0),
             run("09_fabric-vit-fast.py", 128, 1, 2400.0), run("05_fabric-vit-mixed-ddp.py", 16, 2, 1100.0),

@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import memory, throughput
 from conftest import ROOT, YARDSTICK, native_bf16, run_script, script_env
+from run_keeping.record import upgrade
 
 # bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
 # 1.2 against 132.8 GFLOP/s on an AVX2-only AMD EPYC; 1.4 against 52 on an AVX512-BF16 one with
@@ -150,9 +151,9 @@ def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatc
 def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     """benchmark.py --smoke's 04 row on a CPU without bfloat16: its precision as it ran, the one
     asked beside it, and the verdict saying which scripts were not measured as they ask."""
-    records = [{"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16, "precision": "32-true",
-                "precision_asked": "bf16-mixed", "world_size": 1, "strategy": "single-device",
-                "images_per_s": 100.0, "peak_memory_gb": 1.0, "device_name": "CPU AMD EPYC (2 cores)"}]
+    records = [upgrade({"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16, "precision": "32-true",
+                        "precision_asked": "bf16-mixed", "world_size": 1, "strategy": "single-device",
+                        "images_per_s": 100.0, "peak_memory_gb": 1.0, "device_name": "CPU AMD EPYC (2 cores)"})]
     measured = {("04_fabric-vit-mixed-precision.py", 16): {"records": records, "bares": []}}
     args = argparse.Namespace(peak_tflops={}, smoke=True, repeat=1, max_steps=200)
     rows = throughput.rows_of(measured, 1e9, args)

@@ -1,29 +1,55 @@
 """Every numbered script's --smoke run end to end, and the lesson read from the scripts' source:
 the diff budgets, each changed line marked, the talk's settings, no hidden extras."""
 import ast
+import json
 import math
 import os
 import re
 import subprocess
 import sys
 import time
+import types
+import typing
 
 import pytest
 
 from conftest import native_bf16, read_records, ROOT, run_script, SCRIPTS, script_env
 from run_keeping.processes import BUSY_WAIT, FALLBACKS
+from run_keeping.record import REQUIRED, Record, read_runs
+
+TYPES = typing.get_type_hints(Record)
+
+
+def of_type(value, kind):
+    """Whether a value read from JSON is of the schema's type (an int where a float is declared
+    too: the numeric tower, as type checkers take it)."""
+    if isinstance(kind, types.UnionType):
+        return any(of_type(value, k) for k in typing.get_args(kind))
+    if typing.get_origin(kind) is list:
+        return isinstance(value, list) and all(of_type(v, typing.get_args(kind)[0]) for v in value)
+    if kind in (int, float):
+        return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def test_a_record_of_an_earlier_version_reads_as_this_one():
+    """reference/smoke-runs.jsonl was written before record_version: it reads with the fields
+    renamed since ("steps" is batches_loaded), its compile mode from "compiled", and None for
+    what it did not record; and a value of a wrong type is told apart."""
+    old = read_runs(ROOT / "reference" / "smoke-runs.jsonl")
+    raw = [json.loads(line) for line in (ROOT / "reference" / "smoke-runs.jsonl").read_text().splitlines()]
+    assert all(r["record_version"] == 2 and set(REQUIRED) <= r.keys() and "steps" not in r for r in old)
+    assert [r["batches_loaded"] for r in old] == [r["steps"] for r in raw]
+    assert {r["compile_mode"] for r in old if r["compiled"]} == {"default"}
+    assert {r["compile_mode"] for r in old if not r["compiled"]} == {None}
+    assert all(r["busy"] is None and r["schedule"] is None for r in old)
+    assert not of_type("1.5", TYPES["train_time_s"]) and not of_type(True, TYPES["epochs"])
+    assert of_type(None, TYPES["test_acc"]) and not of_type(None, TYPES["epochs"])
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
 BF16_TRUE = ["11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
              "13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py"]
 ACCUMULATING = BF16_TRUE[1:]
-RECORD_KEYS = {"script", "kind", "init", "data_parallel_size", "tensor_parallel_size", "smoke", "synthetic", "resumed", "accelerator", "device_name", "devices",
-               "num_nodes", "world_size", "precision", "strategy", "epochs", "batch_size", "seed",
-               "batches_loaded", "optimizer_steps", "schedule", "train_time_s", "images_per_s", "peak_memory_gb", "train_loss", "lr",
-               "val_acc", "test_acc", "model_file", "parameters_per_process", "torch",
-               "model", "micro_batches", "optimizer", "activation_checkpointing", "parallelize",
-               "peak_memory_gb_per_process", "checkpoint_s", "cpu_wait_share", "busy",
-               "torchvision", "lightning", "python", "timestamp"}
 BATCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Batch \d{4}/\d{4} \| Loss: \d+\.\d{4}$", re.M)
 EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val acc\.: \d+\.\d{2}%$",
                         re.M)
@@ -42,7 +68,7 @@ WALL_LIMIT_S = {"02_pytorch-vit-compile.py": 240, "16_fabric-vit-cuda-graphs.py"
 def test_smoke_run_learns_and_records(smoke_runs, script):
     run = smoke_runs(script)
     out, record = run.out, run.record
-    assert RECORD_KEYS <= record.keys()
+    assert list(record) == REQUIRED and not [f for f, v in record.items() if not of_type(v, TYPES[f])]
     assert record["script"] == script and record["smoke"] is True and record["synthetic"] is False
     assert record["accelerator"] == "cpu" and record["device_name"].startswith("CPU")
     assert record["test_acc"] >= (0.75 if script.startswith("00") else 0.85)  # random init: lower
@@ -115,6 +141,8 @@ def test_a_sleeping_thread_does_not_wait_for_a_core():
 
 SLOW_CHECKPOINTS = """
 import time
+import types
+import typing
 from run_keeping import checkpoints
 save = checkpoints.Checkpoints.save
 def slow_save(self, *args, **kwargs):

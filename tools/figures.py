@@ -21,6 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.files import markdown_table, read_records  # noqa: E402
+from run_keeping.record import read_runs  # noqa: E402
 from run_keeping.config import VITS, lessons  # noqa: E402
 
 REFERENCE = ROOT / "reference"
@@ -38,7 +39,7 @@ def when(records):
 
 
 def smoke_runs():
-    return [r for r in read_records(REFERENCE / "smoke-runs.jsonl") if r.get("whole", True)]
+    return [r for r in read_runs(REFERENCE / "smoke-runs.jsonl") if r["whole"]]
 
 
 def seeds_of(script, records):
@@ -58,7 +59,7 @@ def changed_lines(a, b):
 def memory_rows(table, vit=None, runs="memory-runs.jsonl"):
     from benchmarks import memory
     reference = lessons()
-    records = [r for r in read_records(REFERENCE / runs) if r["memory_table"] == table
+    records = [r for r in read_runs(REFERENCE / runs) if r["memory_table"] == table
                and (vit is None or r["model"] == vit)]
     return [memory.row_of(r, r["libraries_gb"], reference) for r in records]
 
@@ -179,11 +180,11 @@ def throughput_smoke_repeats():
             REFERENCE / "benchmark-smoke.jsonl"]
     lines = []
     for path in runs:
-        records = read_records(path)
+        records = read_runs(path)
         rows = throughput_rows(records, 0.0)
         first = min(r["timestamp"] for r in records)
         lines.append(f"- {first[:10]} {first[11:16]} UTC: {throughput.ranking(rows)[1]}")
-    return (f"`python benchmark.py --smoke`, {len(runs)} runs on the idle {when(read_records(runs[-1]))}, "
+    return (f"`python benchmark.py --smoke`, {len(runs)} runs on the idle {when(read_runs(runs[-1]))}, "
             "ranked from fastest to slowest:\n\n" + "\n".join(lines))
 
 
@@ -222,7 +223,7 @@ def smoke_weights():
 
 def save_time():
     """docs/resume-save-load.md: how long a checkpoint of the talk's size takes to write."""
-    records = read_records(REFERENCE / "save-time-runs.jsonl")
+    records = read_runs(REFERENCE / "save-time-runs.jsonl")
     cells = [[VITS[r["model"]], f"{r['parameters_per_process'][0] / 1e6:.0f} M",
               f"{12 * r['parameters_per_process'][0] / 1e9:.2f}", ", ".join(f"{s:.1f}" for s in r["checkpoint_s"])]
              for r in records]
@@ -252,8 +253,8 @@ def no_bf16_smoke():
     capped = next(p for p in probes if p["onednn_max_cpu_isa"])
     free = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["aten_cpu_capability"] and p["native"])
     real = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["native"])
-    records = read_records(REFERENCE / "no-bf16-smoke-runs.jsonl")
-    avx2 = read_records(REFERENCE / "no-bf16-smoke-runs-avx2.jsonl")
+    records = read_runs(REFERENCE / "no-bf16-smoke-runs.jsonl")
+    avx2 = read_runs(REFERENCE / "no-bf16-smoke-runs-avx2.jsonl")
     return "\n".join([
         f"Measured on {when(records)} (`reference/no-bf16-smoke-runs.jsonl`; the products: "
         "`reference/bf16-probe.jsonl`, `python tools/bf16_probe.py`):", "",
@@ -261,7 +262,7 @@ def no_bf16_smoke():
         f"{capped['bf16_gflops']:.1f} GFLOP/s against float32's {capped['fp32_gflops']:.1f}, "
         f"{capped['fp32_gflops'] / capped['bf16_gflops']:.0f} times slower; without the cap, "
         f"{free['bf16_gflops']:.1f} against {free['fp32_gflops']:.1f};", "",
-        *no_bf16_table(records, read_records(REFERENCE / "bf16-native-smoke-runs.jsonl")), "",
+        *no_bf16_table(records, read_runs(REFERENCE / "bf16-native-smoke-runs.jsonl")), "",
         f"And on {when(avx2)}, whose torch runs its `{real['capability']}` code and whose oneDNN has no "
         f"bfloat16 kernels (`reference/no-bf16-smoke-runs-avx2.jsonl`): the same product, bfloat16 "
         f"{real['bf16_gflops']:.1f} GFLOP/s against float32's {real['fp32_gflops']:.1f}, "
@@ -288,7 +289,7 @@ def no_bf16_table(records, native_records):
 def h200_rows():
     """The rows of the two checks on the H200 (their records in reference/), with MFU."""
     from benchmarks import peaks
-    checks = [read_records(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
+    checks = [read_runs(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
     return checks, [throughput_rows(records, peaks.flops_per_image(smoke=False)) for records in checks]
 
 
@@ -328,7 +329,7 @@ def gpu_check_findings():
     used = [re.search(r"Time: ([\d.]+) of the (\d+) min", (REFERENCE / f"gpu-check-h200-{n}.md").read_text()).groups()
             for n in (1, 2)]
     own = []  # seconds between two records less the later run's training: a process's own cost
-    for rs in [*checks, read_records(REFERENCE / "memory-talk-h200.jsonl")]:
+    for rs in [*checks, read_runs(REFERENCE / "memory-talk-h200.jsonl")]:
         for before, r in zip(rs, rs[1:]):
             if not r.get("compiled"):
                 own.append((datetime.fromisoformat(r["timestamp"]) - datetime.fromisoformat(before["timestamp"]))
