@@ -14,8 +14,7 @@ from pathlib import Path
 
 from run_keeping import fail
 
-LOCK = ".lock"            # held by the run in progress in a checkpoint folder
-HOLDER = ".lock-holder"   # who holds it: filelock truncates its own file at each try
+LOCK = ".lock"  # held by the run in progress in a checkpoint folder, and naming it
 
 
 def unwritable(path, folder=False):
@@ -155,31 +154,35 @@ def remove_empty_folders(path, up_to):
 
 
 class FolderLock:
-    """A run's hold on its checkpoint folder: filelock's FileLock (an flock, which the system lets
-    go of when the process ends, however it ends: a killed run never blocks the next), with who
-    holds it written beside it for the run it refuses."""
+    """A run's hold on its checkpoint folder: an flock on the folder's .lock, as append_record
+    locks a record file (the system lets go of it when the process ends, however it ends: a killed
+    run never blocks the next), with who holds it written in it for the run it refuses."""
 
     def __init__(self, folder):
-        from filelock import FileLock, Timeout
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.paths, self.lock = (folder / LOCK, folder / HOLDER), FileLock(folder / LOCK)
-        try:
-            self.lock.acquire(timeout=0)
-        except Timeout:
+        self.path = Path(folder) / LOCK
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                holder = (folder / HOLDER).read_text().strip()
-            except OSError:
-                holder = ""
-            fail(f"a run is in progress in {folder} ({holder or 'another process'}): wait for it to "
-                 "finish, or give this one another --checkpoint-dir to run beside it.")
-        (folder / HOLDER).write_text(f"process {os.getpid()} on {socket.gethostname()}, since "
-                                     f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip()
+                os.close(self.fd)
+                fail(f"a run is in progress in {folder} ({holder or 'another process'}): wait for it to "
+                     "finish, or give this one another --checkpoint-dir to run beside it.")
+            try:  # not a file the run before removed as this one opened it
+                if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)
+        os.ftruncate(self.fd, 0)
+        os.write(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since "
+                          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC".encode())
 
     def release(self):
-        for path in reversed(self.paths):  # the holder's name first, then the lock itself
-            remove(path)
-        self.lock.release()
+        remove(self.path)
+        os.close(self.fd)
 
 
 def markdown_table(header, rows):

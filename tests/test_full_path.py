@@ -15,12 +15,12 @@ POINT_CIFAR10_AT_LOCAL_SERVER = """
 import os
 import torchvision.datasets.cifar as cifar
 import torchvision.datasets.utils as utils
-cifar.CIFAR10.url = os.environ["FAKE_CIFAR10_URL"]
+cifar.CIFAR10.url = os.environ["HOOK_FAKE_CIFAR10_URL"]
 cifar.CIFAR10.tgz_md5 = None  # a fake archive cannot match the real checksums
 cifar.check_integrity = lambda fpath, md5=None: os.path.isfile(fpath)
 _download_url = utils.download_url
 def download_url(*args, **kwargs):  # the real download, noted in a file every process shares
-    with open(os.environ["DOWNLOAD_LOG"], "a") as log:
+    with open(os.environ["HOOK_DOWNLOAD_LOG"], "a") as log:
         log.write(f"{os.environ.get('LOCAL_RANK', '0')}\\n")
     return _download_url(*args, **kwargs)
 utils.download_url = download_url
@@ -68,8 +68,8 @@ def test_cifar10_downloaded_once_and_the_full_model_trains(tmp_path):
     server = serve(tmp_path / "www")
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/cifar-10-python.tar.gz"
-        env = script_env(tmp_path, PYTHONPATH=str(site), FAKE_CIFAR10_URL=url,
-                         DOWNLOAD_LOG=str(tmp_path / "downloads.log"),
+        env = script_env(tmp_path, PYTHONPATH=str(site), HOOK_FAKE_CIFAR10_URL=url,
+                         HOOK_DOWNLOAD_LOG=str(tmp_path / "downloads.log"),
                          no_proxy="127.0.0.1", NO_PROXY="127.0.0.1")
         with in_memory() as scratch:  # its 1 GB checkpoint, not read here: written to memory
             proc = run_script("05_fabric-vit-mixed-ddp.py", "--accelerator", "cpu", "--devices", "2",

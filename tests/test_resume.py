@@ -138,14 +138,14 @@ def test_synthetic_with_nothing_to_time_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-SIGNAL_AT_STEP = """
+HOOK_SIGNAL_AT_STEP = """
 import os, signal
 from torch.optim.optimizer import register_optimizer_step_post_hook
 _steps = [0]
 def _signal(optimizer, args, kwargs):
     _steps[0] += 1
-    if _steps[0] == int(os.environ["SIGNAL_AT_STEP"]) and os.environ.get("LOCAL_RANK", "0") == "0":
-        os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL_NAME"]))
+    if _steps[0] == int(os.environ["HOOK_SIGNAL_AT_STEP"]) and os.environ.get("LOCAL_RANK", "0") == "0":
+        os.kill(os.getpid(), getattr(signal, os.environ["HOOK_SIGNAL_NAME"]))
 register_optimizer_step_post_hook(_signal)
 """
 
@@ -156,8 +156,8 @@ def signalled_at_step(tmp_path, step, name):
     one process would reach it), in the middle of an epoch."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(SIGNAL_AT_STEP)
-    return script_env(tmp_path, PYTHONPATH=str(site), SIGNAL_AT_STEP=str(step), SIGNAL_NAME=name)
+    (site / "sitecustomize.py").write_text(HOOK_SIGNAL_AT_STEP)
+    return script_env(tmp_path, PYTHONPATH=str(site), HOOK_SIGNAL_AT_STEP=str(step), HOOK_SIGNAL_NAME=name)
 
 
 @pytest.mark.slow
@@ -221,10 +221,10 @@ import atexit, os, signal, sys, time
 def _signal():
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.5)  # the handler runs here, at the next bytecode
-if os.environ["SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
+if os.environ["HOOK_SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
     sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("runs.jsonl")
                      and isinstance(args[2], int) and args[2] & os.O_APPEND and _signal())
-elif os.environ["SIGNAL_WHEN"] == "setup":  # as the smoke ViT's weights load: after the flags, before training
+elif os.environ["HOOK_SIGNAL_WHEN"] == "setup":  # as the smoke ViT's weights load: after the flags, before training
     sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("smoke-vit-printed-digits.pt")
                      and _signal())
 else:  # once the script has ended, as the interpreter shuts down (this runs last of all)
@@ -257,7 +257,7 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
     folder = tmp_path / "setup"
     folder.mkdir()
     proc = run_script("01_pytorch-vit.py", "--smoke", *short, cwd=folder,
-                      env=script_env(folder, PYTHONPATH=str(site), SIGNAL_WHEN="setup"))
+                      env=script_env(folder, PYTHONPATH=str(site), HOOK_SIGNAL_WHEN="setup"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 130 and "Traceback" not in out, out[-2000:]
     lines = [line for line in out.splitlines() if "interrupted" in line]
@@ -278,7 +278,7 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
         folder = tmp_path / moment
         folder.mkdir()
         proc = run_script("01_pytorch-vit.py", "--smoke", *short, cwd=folder,
-                          env=script_env(folder, PYTHONPATH=str(site), SIGNAL_WHEN=moment))
+                          env=script_env(folder, PYTHONPATH=str(site), HOOK_SIGNAL_WHEN=moment))
         out = proc.stdout + proc.stderr
         assert proc.returncode == 130 and "Traceback" not in out, (moment, out[-2000:])
         lines = [line for line in out.splitlines() if "interrupted (SIGINT)" in line]

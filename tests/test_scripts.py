@@ -543,6 +543,7 @@ def test_an_environment_a_library_reads_as_it_loads_starts_fresh(tmp_path, monke
     monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")  # as scikit-learn's OpenMP sets it in this process
     assert "KMP_INIT_AT_FORK" not in script_env(tmp_path) or "KMP_INIT_AT_FORK" in starts.env
     assert starts.fits(script_env(tmp_path / "elsewhere"))
+    assert starts.fits(script_env(tmp_path, HOOK_A_NEW_TESTS_SETTING="1"))  # a hook's setting, whatever its name
 
 
 @pytest.mark.slow

@@ -83,11 +83,11 @@ def test_a_record_is_one_write(tmp_path, monkeypatch):
     assert len(writes) == 1 and path.read_text().count("\n") == 2
 
 
-FULL_DISK_AT = """
+HOOK_FULL_DISK_AT = """
 import errno, os
 _write = os.write
 def write(fd, data):
-    if os.readlink(f"/proc/self/fd/{fd}").endswith(os.environ["FULL_DISK_AT"]):
+    if os.readlink(f"/proc/self/fd/{fd}").endswith(os.environ["HOOK_FULL_DISK_AT"]):
         _write(fd, bytes(data)[:100])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     return _write(fd, data)
@@ -110,10 +110,10 @@ def test_full_disk_during_a_run(tmp_path, target, names, kept):
     command, run as printed once there is room, finishes the run with its record."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(FULL_DISK_AT)
+    (site / "sitecustomize.py").write_text(HOOK_FULL_DISK_AT)
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
-    env = script_env(tmp_path, PYTHONPATH=str(site), FULL_DISK_AT=target)
+    env = script_env(tmp_path, PYTHONPATH=str(site), HOOK_FULL_DISK_AT=target)
     proc = run_script("01_pytorch-vit.py", "--smoke", "--max-steps", "10", cwd=tmp_path, env=env)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
