@@ -54,8 +54,8 @@ def get_dataloaders(args):
     data; training shuffles and drops its last partial batch; --max-steps N keeps N batches; each
     batch comes in args.micro_batches parts (12-14's gradient accumulation)."""
     if args.synthetic:  # on a GPU, made there
-        on_gpu = args.accelerator == "cuda"
-        train, val, test = synthetic_datasets(args, torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
+        gpu = torch.device("cuda", torch.cuda.current_device()) if args.accelerator == "cuda" else None
+        train, val, test = synthetic_datasets(args, gpu)
     elif args.smoke:
         train, val, test = digits_datasets()
     else:
@@ -156,9 +156,9 @@ def smoke_vit():
 
 def build_vit(weights, args):
     """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1" (downloaded
-    into torch's hub cache). --smoke: the small ViT, pretrained where the full run loads IMAGENET1K_V1 (on printed digits,
-    by make_smoke_weights.py: the demo's ImageNet); --synthetic: random init. The model notes in
-    model.init what it starts from (for the run's output and record)."""
+    into torch's hub cache). --smoke: the small ViT, pretrained where the full run loads
+    IMAGENET1K_V1 (on printed digits, by make_smoke_weights.py: the demo's ImageNet); --synthetic:
+    random init. The model notes in model.init what it starts from (for the output and record)."""
     import torchvision.models as vits
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
     weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)

@@ -5,11 +5,12 @@
     python plot_results.py --log examples/talk-log.md   # also logs in the talk's text format
 
 Keeps the latest record per script and seed, draws training time, test accuracy, peak memory and
-throughput per script (ours solid, the talk's hatched beside full runs only: a smoke or synthetic
-run is another model on other data, never drawn on the talk's axis), and prints the same as a table with each
-script's speedup over 01. Several seeds of a script (`--seed`): the bar is their mean and the
-error bar their range (min to max); the table gives n and the accuracy's range. Speedup, here and in benchmark.py, is training throughput over 01's:
-images/s divided by 01's images/s; for the talk's runs and for logs, which publish no
+throughput per script (ours solid, the talk's hatched beside full runs only: a smoke or
+synthetic run is another model on other data, never drawn on the talk's axis), and prints the
+same as a table with each script's speedup over 01. Several seeds of a script (`--seed`): the bar
+is their mean and the error bar their range (min to max); the table gives n and the accuracy's
+range. Speedup, here and in benchmark.py, is training throughput over 01's: images/s divided by
+01's images/s; for the talk's runs and for logs, which publish no
 throughput, 01's training time divided by the script's (the same images in each run).
 """
 import os
@@ -129,7 +130,8 @@ def select(records, kind, everything=False):
             notes = [f"left out, cut short by {r['cut_short_by'] or '--max-steps'} (a debugging run, not a "
                      f"result; --all includes it): {r['script']} seed {r['seed']}"
                      for r in left_out if r["kind"] == chosen]
-            return chosen, {key: summarise(list(by_seed.values())) for key, by_seed in sorted(runs.items(), key=order)}, notes
+            latest = {key: summarise(list(by_seed.values())) for key, by_seed in sorted(runs.items(), key=order)}
+            return chosen, latest, notes
     return kind or "full", {}, []
 
 

@@ -233,7 +233,8 @@ def run_memory(check, name, settings, runs):
         return ("skipped at smoke size: the smoke ViT is 0.4 M parameters, nothing to measure; "
                 "docs/benchmarks.md has the tables measured on a CPU"), ""
     args = argparse.Namespace(**{**vars(check.args), "sequel": True, "talk": False, "memory_models_given": True,
-                                 "memory_models": [settings["vit"]], "memory_scripts": [script[:2] for script, _ in runs]})
+                                 "memory_models": [settings["vit"]],
+                                 "memory_scripts": [script[:2] for script, _ in runs]})
     libraries = memory.libraries_gb(cuda=True)
     planned, notes = memory.memory_plan(args, True, libraries, gpus=check.gpus)
     cost = sum(check.estimate("memory run", (n, vit)) for vit, n, _ in planned)
@@ -268,7 +269,8 @@ def report_text(check, current=None):
     if current:
         name, title, state, text = current
         lines += [f"### Under way: {title or name}: {state}", "", *([text, ""] if text else []),
-                  "### Not run yet", "", "- the stages after the one under way (this report is rewritten as each run ends)"]
+                  "### Not run yet", "",
+                  "- the stages after the one under way (this report is rewritten as each run ends)"]
     else:
         missed = [f"- {name}: {state}" for name, _, state, _ in check.stages
                   if state.startswith(("not run", "skipped")) or "stopped" in state]

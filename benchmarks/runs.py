@@ -122,6 +122,7 @@ def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
     import local_utilities
     if name in ("single-device", "ddp"):
         return {"single-device": "auto", "ddp": "ddp"}[name]
-    parallelize = parallelize or ("tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block")
+    implied = "tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block"
+    parallelize = parallelize or implied
     return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, parallelize),
                                                      devices // tensor_parallel, tensor_parallel)

@@ -1,6 +1,6 @@
-"""Checkpoints and --resume; the finetuned model file. A checkpoint keeps the model, optimizer, scheduler, random states,
-the figures so far and the settings that shape its run; one is written after each epoch, and one
-mid-epoch when the run is asked to stop (SIGTERM, Ctrl-C): with the batches done, the epoch's
+"""Checkpoints and --resume; the finetuned model file. A checkpoint keeps the model, optimizer,
+scheduler, random states, the figures so far and the settings that shape its run; one is written
+after each epoch, and one mid-epoch when the run is asked to stop (SIGTERM, Ctrl-C): with the batches done, the epoch's
 loss so far and the random state its data order came from, so a continued run goes on from that
 batch. --resume restores them after checking that the checkpoint is this run's. While a run
 runs, it holds its folder (a lock that dies with its process): a second run there is refused.
@@ -42,7 +42,8 @@ def resume_hint(folder):
 def checkpoint_name(progress):
     """epoch-0002.ckpt after 2 epochs; epoch-0003-batch-00150.ckpt 150 batches into the third."""
     done = progress["batches_done"]
-    return f"epoch-{progress['epochs_done'] + (1 if done else 0):04d}" + (f"-batch-{done:05d}" if done else "") + ".ckpt"
+    epoch = progress["epochs_done"] + (1 if done else 0)
+    return f"epoch-{epoch:04d}" + (f"-batch-{done:05d}" if done else "") + ".ckpt"
 
 
 def launched_by():
@@ -162,7 +163,7 @@ class Checkpoints:
         asked to stop), written beside the last one and renamed into place, then named in
         latest.json; older ones removed. A failed write, in any process: one line from each,
         exit 1, the last good checkpoint kept."""
-        name = checkpoint_name(progress)
+        name, began = checkpoint_name(progress), time.perf_counter()
         final, tmp = self.folder / name, self.folder / (name + ".tmp")
         meta = {"script": self.config.script, "kind": self.config.kind, "settings": settings,
                 "flags": started_flags(), "launch": launched_by()}
@@ -170,7 +171,6 @@ class Checkpoints:
         kept = (f"the last good checkpoint ({self.last}) is untouched: once there is room, "
                 f"continue with: {resume_command()}" if self.last else "no checkpoint was written "
                 f"yet: once there is room, start again with: {invoked(*started_flags())}")
-        began = time.perf_counter()
         together(self.fabric, lambda: remove(tmp) if self.rank == 0 else None)
 
         def write():
@@ -200,7 +200,8 @@ class Checkpoints:
                     remove(tmp)
                     fail(f"cannot write the checkpoint {final}: {write_error(err, final)}; {kept}.", code=1)
                 figures = {k: v for k, v in progress.items() if k != "partial"}  # plain JSON
-                write_atomically(self.folder / LATEST, json.dumps({"checkpoint": name, **meta, **figures}).encode(), then=kept)
+                write_atomically(self.folder / LATEST, json.dumps({"checkpoint": name, **meta, **figures})
+                                 .encode(), then=kept)
                 for old in self.folder.glob("epoch-*.ckpt"):
                     if old.name != name:
                         remove(old)

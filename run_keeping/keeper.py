@@ -61,7 +61,8 @@ class RunKeeper:
         self.precision = fall_back_from_bf16(fabric) if fabric else "32-true"
         if fabric and fabric.device.type == "cpu":
             share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", config.devices)))
-        self.meter, self.vote, self.figures = StepMeter(config.accelerator == "cuda", config.micro_batches), StopVote(fabric), Figures()
+        self.meter = StepMeter(config.accelerator == "cuda", config.micro_batches)
+        self.vote, self.figures = StopVote(fabric), Figures()
         self.first_batch = 0  # where the loop counts its batches from: 0, or where a run stopped mid-epoch was
 
     def print(self, *a):
@@ -150,8 +151,9 @@ class RunKeeper:
 
     def _save(self, partial=None):
         """A checkpoint of the progress so far; returns the seconds it took."""
-        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier,
-                                                           self.figures.training_s(time.time() - self.started)), partial)
+        elapsed = self.figures.training_s(time.time() - self.started)
+        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel,
+                                                           self.figures.earlier, elapsed), partial)
         # memory is training's: a checkpoint write holds a serialised copy of the state for a
         # moment (Fabric's save, a second in memory), which the talk's scripts never wrote
         self.figures.peak_gb = max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator))
@@ -196,8 +198,9 @@ class RunKeeper:
 
 class Figures:
     """The run's figures so far, kept in each checkpoint and restored by --resume: the epochs done,
-    the batches the loader handed out (micro-batches in 12-14) and the optimizer steps, each epoch's mean loss, validation accuracy and learning rate, the
-    timing before a --resume, each checkpoint's seconds and the peak memory before its writes."""
+    the batches the loader handed out (micro-batches in 12-14) and the optimizer steps, each
+    epoch's mean loss, validation accuracy and learning rate, the timing before a --resume, each
+    checkpoint's seconds and the peak memory before its writes."""
 
     def __init__(self):
         self.epochs_done, self.batches_loaded, self.optimizer_steps, self.resumed = 0, 0, 0, False
@@ -224,8 +227,8 @@ class Figures:
     def progress(self, totals, partial=None):
         """What a checkpoint keeps of them (with the totals so far, and where a stopped epoch was)."""
         return {"epochs_done": self.epochs_done, "batches_done": partial["batches"] if partial else 0,
-                "batches_loaded": self.batches_loaded, "optimizer_steps": self.optimizer_steps, "train_loss": self.train_loss, "val_acc": self.val_acc,
-                "lr": self.lr, **totals, "partial": partial}
+                "batches_loaded": self.batches_loaded, "optimizer_steps": self.optimizer_steps,
+                "train_loss": self.train_loss, "val_acc": self.val_acc, "lr": self.lr, **totals, "partial": partial}
 
     def restore(self, progress):
         self.epochs_done, self.resumed = progress["epochs_done"], True
@@ -305,7 +308,8 @@ def what_is_kept(config, folder):
     if config.synthetic:
         return ("a synthetic run keeps no checkpoint of its last epoch: once there is room, run it again "
                 f"with: {invoked(*started_flags())}")
-    return f"the checkpoint of the finished training is kept in {folder}: once there is room, finish the run with: {resume_command()}"
+    return (f"the checkpoint of the finished training is kept in {folder}: once there is room, finish the "
+            f"run with: {resume_command()}")
 
 
 def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited=0.0):
@@ -460,7 +464,8 @@ class StepMeter:
         """The epoch so far as a checkpoint written mid-epoch kept it; its timing starts again."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
-                      "batches": partial.get("batches", partial.get("steps")), "lr": partial["lr"], "timer": None, "timed": 0}
+                      "batches": partial.get("batches", partial.get("steps")), "lr": partial["lr"],
+                      "timer": None, "timed": 0}
 
     def end_epoch(self, epoch_number):
         """The epoch's mean loss (a tensor on the CPU) and its learning rate; stops on a bad loss."""

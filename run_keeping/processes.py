@@ -263,7 +263,8 @@ def fall_back_from_bf16(fabric, device=None):
 def fallback_line(device, asked, instead, sharded):
     if device == "cuda":
         why = " (Fabric's FSDP2 strategy takes no 16-mixed)" if sharded and asked == "bf16-mixed" else ""
-        return f"This GPU ({torch.cuda.get_device_name()}) has no native bfloat16: running {instead} instead of {asked}{why}."
+        return (f"This GPU ({torch.cuda.get_device_name()}) has no native bfloat16: running {instead} "
+                f"instead of {asked}{why}.")
     return (f"This {device_name('cpu')} has no native bfloat16 (no oneDNN bfloat16 kernels): running "
             f"{instead} instead of {asked}, since emulated bfloat16 runs many times slower than float32; "
             "the record says both. What bfloat16 saves in time and memory shows on a CPU with "

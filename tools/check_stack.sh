@@ -21,8 +21,12 @@ venv=${VENV:-$(mktemp -d /tmp/stack.XXXXXX)}
 py="$venv/bin/python"
 echo "check_stack.sh: installing $pins" >&2
 # shellcheck disable=SC2086
-"$py" -m pip install -q $pins -r requirements.txt pytest || { echo "check_stack.sh: error: the install failed" >&2; exit 2; }
-"$py" -m pip list 2>/dev/null | grep -i -E "^(torch|torchvision|lightning|torchmetrics|numpy|matplotlib|scikit-learn|watermark) "
+if ! "$py" -m pip install -q $pins -r requirements.txt pytest; then
+  echo "check_stack.sh: error: the install failed" >&2
+  exit 2
+fi
+"$py" -m pip list 2>/dev/null |
+  grep -i -E "^(torch|torchvision|lightning|torchmetrics|numpy|matplotlib|scikit-learn|watermark) "
 failed=0
 "$py" -m pytest -q -m "not slow" -p no:cacheprovider || failed=1
 work=$(mktemp -d /tmp/stack-runs.XXXXXX)

@@ -276,14 +276,14 @@ def no_bf16_table(records, native_records):
     three = next(r for r in records if r["script"].startswith("03"))
     native = {r["script"]: r for r in native_records}
     base = native.get(three["script"])
-    cells = [[r["script"], r["precision_asked"], r["precision"], f"{r['run_s']:.1f}", f"{r['run_s'] / three['run_s']:.2f}",
-              f"{r['train_time_s']:.1f}", f"{r['test_acc'] * 100:.2f}",
+    cells = [[r["script"], r["precision_asked"], r["precision"], f"{r['run_s']:.1f}",
+              f"{r['run_s'] / three['run_s']:.2f}", f"{r['train_time_s']:.1f}", f"{r['test_acc'] * 100:.2f}",
               *([f"{native[r['script']]['run_s'] / base['run_s']:.2f}" if r["script"] in native and base else "-"]
                 if native else [])]
              for r in records]
+    against = ["bfloat16 native: against 03's (`reference/bf16-native-smoke-runs.jsonl`)"] if native else []
     return markdown_table(["script", "asks", "ran", "seconds, start to record", "against 03's", "training s",
-                           "test accuracy %", *(["bfloat16 native: against 03's (`reference/bf16-native-smoke-runs.jsonl`)"]
-                                                if native else [])], cells)
+                           "test accuracy %", *against], cells)
 
 
 def h200_rows():
@@ -362,17 +362,11 @@ def gpu_check_plan():
     a run is planned at before one of its kind has run."""
     from benchmarks import gpu_check
     cells = [[f"{number}. {name}", title, " ".join(s[:2] for s in gpu_check.stage_scripts(name)) or "-",
-              settings.get("rounds", "-")] for number, (name, kind, title, settings) in enumerate(gpu_check.STAGES, 1)]
+              settings.get("rounds", "-")]
+             for number, (name, kind, title, settings) in enumerate(gpu_check.STAGES, 1)]
     defaults = ", ".join(f"{kind} {seconds} s" for kind, seconds in gpu_check.DEFAULT_S["full"].items())
-    return "\n".join([*markdown_table(["stage", "what it measures", "lessons", "rounds"], cells), "",
-                      f"Before a run of its kind has run in the check, a run is planned at a plain default: {defaults}."])
-
-
-BLOCKS = {"gpu-check-h200": gpu_check_h200, "gpu-check-plan": gpu_check_plan, "gpu-check-findings": gpu_check_findings, "no-bf16-smoke": no_bf16_smoke, "scripts": scripts, "smoke-seeds": smoke_seeds, "memory-lessons-smoke": memory_lessons_smoke,
-          "fast-recipe-smoke": fast_recipe_smoke, "memory-talk": memory_talk, "memory-talk-h200": memory_talk_h200, "memory-sequel": memory_sequel,
-          "memory-strategies": memory_strategies, "throughput-smoke": throughput_smoke,
-          "throughput-smoke-repeats": throughput_smoke_repeats,
-          "suite-time": suite_time, "smoke-weights": smoke_weights, "save-time": save_time, "epochs": epochs}
+    return "\n".join([*markdown_table(["stage", "what it measures", "lessons", "rounds"], cells), "", "Before a "
+                      f"run of its kind has run in the check, a run is planned at a plain default: {defaults}."])
 
 
 def rewritten(text):
@@ -381,9 +375,10 @@ def rewritten(text):
 
     def make(match):
         names.append(match[2])
-        if match[2] not in BLOCKS:
+        block = globals().get(match[2].replace("-", "_"))  # a block's NAME is its function's
+        if not callable(block):
             raise SystemExit(f"figures.py: error: no block called {match[2]!r}")
-        return match[1] + BLOCKS[match[2]]().strip() + "\n" + match[4]
+        return match[1] + block().strip() + "\n" + match[4]
     return BLOCK.sub(make, text), names
 
 

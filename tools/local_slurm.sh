@@ -122,8 +122,12 @@ check() {
     sleep 1
   done
   cat "$work/job.out"
-  [ "$state" = COMPLETED ] && [ -s "$work/results/runs.jsonl" ] || { echo "local_slurm.sh: the job ended $state" >&2; exit 1; }
-  echo "local_slurm.sh: the README's job ran on SLURM $(sinfo --version | cut -d' ' -f2): $state, its record in results/runs.jsonl"
+  if [ "$state" != COMPLETED ] || [ ! -s "$work/results/runs.jsonl" ]; then
+    echo "local_slurm.sh: the job ended $state" >&2
+    exit 1
+  fi
+  echo "local_slurm.sh: the README's job ran on SLURM $(sinfo --version | cut -d' ' -f2): $state," \
+       "its record in results/runs.jsonl"
 }
 
 case "${1:-}" in
