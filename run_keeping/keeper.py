@@ -45,8 +45,7 @@ NO_COMPILER = re.compile(r"Failed to find C compiler|No working C\+\+ compiler|I
 class RunKeeper:
     def __init__(self, config, fabric=None):
         self.config, self.fabric = config, fabric
-        self.rank = fabric.global_rank if fabric else 0
-        self.world_size = fabric.world_size if fabric else 1
+        self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
         self.checkpoints = Checkpoints(config, fabric, self.rank)
         self.stopping = Stopping(config, self.rank, self.world_size, self.checkpoints)
         self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
@@ -65,8 +64,7 @@ class RunKeeper:
         self.vote, self.figures = StopVote(fabric), Figures()
         self.first_batch = 0  # where the loop counts its batches from: 0, or where a run stopped mid-epoch was
 
-    def print(self, *a):
-        """print on global rank 0 only: fabric.print prints once per machine."""
+    def print(self, *a):  # on global rank 0 only: fabric.print prints once per machine
         if self.rank == 0:
             print(*a, flush=True)
 
