@@ -1,17 +1,10 @@
-"""benchmark.py --memory: memory per process, beside the arithmetic of what a process holds.
-
-    python benchmark.py --memory             # by strategy as the model grows: 1 process, DDP,
-                                             # FSDP2, TP; ViT-B/16 and ViT-L/16 at a small size
-    python benchmark.py --memory --talk      # the talk's memory column: 01-07 and 10 as they
-                                             # are, ViT-B/16 at 224, batch 16, synthetic steps
-    python benchmark.py --memory --sequel    # the memory sequel's chain 04, 11-14 (and 15) on
-                                             # ViT-B/16 and ViT-L/16, as a staircase
-
-A CPU reports each process's peak resident memory (with glibc's thresholds fixed,
-benchmarks/runs.py) less what the libraries alone hold; a GPU reports
-torch.cuda.max_memory_reserved, the talk's figure. A CPU without native bfloat16 measures no
-script that asks for it (it would run in float32, which is not its lesson), and says so.
-docs/benchmarks.md has the tables as measured.
+"""benchmark.py --memory: memory per process, beside the arithmetic of what a process holds: by
+strategy as the model grows (--memory), the talk's memory column (--talk: 01-07 and 10 as they
+are) and the memory sequel's chain 04, 11-15 as a staircase (--sequel). A CPU reports each
+process's peak resident memory (with glibc's thresholds fixed, benchmarks/runs.py) less what the
+libraries alone hold; a GPU reports torch.cuda.max_memory_reserved, the talk's figure. A CPU
+without native bfloat16 measures no script that asks for it (it would run in float32, which is
+not its lesson), and says so. docs/benchmarks.md has the tables as measured.
 """
 import functools
 import sys

@@ -11,22 +11,10 @@
     record.py       the run record: its fields and types (Record), built and read here only
     keeper.py       RunKeeper, what a script calls: its timing, signals and record
 
-Importing it does nothing; a program's parser (config.Parser) starts the run (start_run: the
-exit handlers, and one line for a Ctrl-C or SIGTERM until the run's own handlers take over). A
-script makes one RunKeeper and calls it four times:
-
-    keeper = RunKeeper(args, fabric)            # checks, signal handlers (fabric: None in 00-02)
-    keeper.resume(model, optimizer, train_loader)   # says what runs; with --resume: restores
-    keeper.batch_done(loss, len(targets))       # after each batch (each micro-batch in 12-14)
-    keeper.checkpoint(epoch, model, optimizer, val_acc)           # after each epoch
-    keeper.finish(train_time_s, test_acc, model)                  # closing lines, model, record
-
-Exit codes: 0 done; 1 a failed write (a full disk, a read-only file system, no permission) or a
-NaN/inf loss; 2 bad input or machine (a flag, missing data or weights, an unusable file, a
-library too old, a launch that does not match the flags); 3 a process of the run was lost (a
-machine died or was killed: continue with --resume); 4 gpu_check.sh: a module the scripts import
-is missing; 6 gpu_check.sh and benchmark.py: measured, but some configurations failed (their rows
-say why); 130 Ctrl-C; 143 SIGTERM.
+Importing it does nothing; a program's parser (config.Parser) starts the run (start_run). A
+script makes one RunKeeper and calls it four times: RunKeeper(args, fabric), then resume(),
+batch_done() after each batch, checkpoint() after each epoch and finish(). The exit codes are
+docs/flags-records-exit-codes.md's.
 """
 import atexit
 import gc
