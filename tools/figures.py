@@ -203,12 +203,12 @@ def suite_time():
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
     plain = [r for r in runs if r.get("install") != "venv"]
     full, quick = ([r for r in plain if r["tier"] == tier][-1] for tier in ("all", "quick"))
-    venv = [r for r in runs if r["tier"] == "all" and r.get("install") == "venv" and r["commit"] == full["commit"]]
+    venv = [r for r in runs if r["tier"] == "all" and r.get("install") == "venv"]
 
     def minutes(run):
         return f"{int(run['seconds'] // 60)} min {int(round(run['seconds'] % 60))} s"
     outcome = ", ".join(f"{full[k]} {k}" for k in ("passed", "failed", "skipped") if full.get(k))
-    in_venv = f"; in a virtual environment, {minutes(venv[-1])}" if venv else ""
+    in_venv = f"; in a virtual environment, {minutes(venv[-1])} at {venv[-1]['commit']}" if venv else ""
     return (f"The whole suite: {full['tests']} tests in {minutes(full)} ({outcome}{in_venv}), the quick tier in "
             f"{quick['seconds']:.0f} s, from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
             f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
