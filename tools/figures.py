@@ -214,6 +214,16 @@ def suite_time():
             f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
 
 
+def warm_start():
+    """docs/tests.md: the whole suite with a fresh interpreter for every script, then forked."""
+    runs = {r["commit"]: r for r in read_records(REFERENCE / "test-suite-runs.jsonl") if r["tier"] == "all"}
+    fresh, forked = runs["360724a"], runs["7b8d8d0"]
+    return (f"on {when([fresh]).rsplit(', ', 1)[0]}, the whole suite took {fresh['seconds'] / 60:.1f} min with a "
+            f"fresh interpreter for every script ({fresh['commit']}, {fresh['tests']} tests) and "
+            f"{forked['seconds'] / 60:.1f} min with them forked ({forked['commit']}, {forked['tests']} tests) "
+            "(`reference/test-suite-runs.jsonl`).")
+
+
 def smoke_weights():
     """docs/smoke.md: the suite's weights, and what making them again gave."""
     committed = json.loads((ROOT / "smoke_weights" / "smoke-vit-printed-digits.json").read_text())
