@@ -138,7 +138,7 @@ def test_synthetic_with_nothing_to_time_is_refused(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-HOOK_SIGNAL_AT_STEP = """
+SIGNAL_AT_STEP = """
 import os, signal
 from torch.optim.optimizer import register_optimizer_step_post_hook
 _steps = [0]
@@ -156,7 +156,7 @@ def signalled_at_step(tmp_path, step, name):
     one process would reach it), in the middle of an epoch."""
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
-    (site / "sitecustomize.py").write_text(HOOK_SIGNAL_AT_STEP)
+    (site / "sitecustomize.py").write_text(SIGNAL_AT_STEP)
     return script_env(tmp_path, PYTHONPATH=str(site), HOOK_SIGNAL_AT_STEP=str(step), HOOK_SIGNAL_NAME=name)
 
 

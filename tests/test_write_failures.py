@@ -54,6 +54,28 @@ def test_a_failed_record_append_leaves_the_earlier_records(tmp_path, monkeypatch
     assert path.read_text() == EARLIER  # the half-written line is cut off again
 
 
+def test_a_folder_lock_taken_as_the_run_before_lets_go_holds_the_file_that_is_there(tmp_path, monkeypatch):
+    """The run before removes its .lock as it lets go of it: a run that opened that file just
+    before and locks it then would hold a file no longer in the folder. It opens the folder's
+    .lock again, so the run after it finds the folder held, and by whom."""
+    from run_keeping import files
+    flock, locked = files.fcntl.flock, []
+
+    def as_the_run_before_lets_go(fd, operation):
+        flock(fd, operation)
+        if not locked:  # the first lock taken: on the file the run before removes now
+            locked.append(fd)
+            os.unlink(tmp_path / ".lock")
+    monkeypatch.setattr(files.fcntl, "flock", as_the_run_before_lets_go)
+    held = files.FolderLock(tmp_path)
+    monkeypatch.undo()
+    assert locked and f"process {os.getpid()} on " in (tmp_path / ".lock").read_text()
+    with pytest.raises(SystemExit):  # the next run is refused: another open file, the same lock
+        files.FolderLock(tmp_path)
+    held.release()
+    assert not (tmp_path / ".lock").exists()
+
+
 def test_a_record_waits_for_the_lock_of_another_appender(tmp_path):
     """Appending takes the file's lock first: while another appender holds it (a run in another
     process), the record waits, and goes in after the lock is let go."""
@@ -83,7 +105,7 @@ def test_a_record_is_one_write(tmp_path, monkeypatch):
     assert len(writes) == 1 and path.read_text().count("\n") == 2
 
 
-HOOK_FULL_DISK_AT = """
+FULL_DISK_AT = """
 import errno, os
 _write = os.write
 def write(fd, data):
@@ -110,7 +132,7 @@ def test_full_disk_during_a_run(tmp_path, target, names, kept):
     command, run as printed once there is room, finishes the run with its record."""
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(HOOK_FULL_DISK_AT)
+    (site / "sitecustomize.py").write_text(FULL_DISK_AT)
     (tmp_path / "results").mkdir()
     (tmp_path / "results" / "runs.jsonl").write_text(EARLIER)
     env = script_env(tmp_path, PYTHONPATH=str(site), HOOK_FULL_DISK_AT=target)
