@@ -1,8 +1,6 @@
-"""What each technique buys, without the data set: runs the numbered scripts on synthetic data
-(--synthetic), each beside a bare loop of the same maths, several times, interleaved, and prints
-images/s, the speedup over 01, the ratio to the bare loop, each with its spread over the repeats,
-peak memory and model FLOP utilisation (MFU); then the rate of the talk's CIFAR-10 input
-pipeline; then, in plain words, what this machine showed and what it cannot say.
+"""What each technique buys, without the data set: the numbered scripts on synthetic data, each
+beside a bare loop of the same maths, in interleaved rounds: images/s, the speedup over 01, the
+ratio to the bare loop, their spread, peak memory and MFU; the talk's input pipeline; a verdict.
 
     python benchmark.py --smoke                              # small ViT, CPU
     python benchmark.py --scripts 01 02 03 04 01@128 04@128  # ViT-B/16 at 224 on a GPU
@@ -12,10 +10,9 @@ pipeline; then, in plain words, what this machine showed and what it cannot say.
                                      # FSDP2, TP; ViT-B/16 and ViT-L/16 (docs/benchmarks.md)
     python benchmark.py --memory --talk    # the talk's memory column; --sequel: the memory sequel's
 
-The measurements are in benchmarks/ (its __init__.py lists them); bash gpu_check.sh runs them on a
-GPU in order of value within a time limit. Each script run appends its record (synthetic: true) to
---results, so `python plot_results.py --synthetic` charts them. A configuration that fails is a
-row saying why; the others go on, and the exit code is 6.
+The measurements are in benchmarks/. Each script run appends its record to --results, which
+`python plot_results.py --synthetic` charts. A configuration that fails is a row saying why; the
+others go on, and the exit code is 6.
 """
 import argparse
 import tempfile
@@ -23,17 +20,10 @@ import time
 
 import torch
 
-from benchmarks import memory
-from benchmarks import peaks
-from benchmarks import throughput
-from benchmarks.runs import SCRIPTS
-from benchmarks.runs import SOME_FAILED
+from benchmarks import memory, peaks, throughput
+from benchmarks.runs import SCRIPTS, SOME_FAILED
 from run_keeping import fail
-from run_keeping.config import WARMUP_STEPS
-from run_keeping.config import Parser
-from run_keeping.config import chart_command
-from run_keeping.config import check_path
-from run_keeping.config import whole_number
+from run_keeping.config import WARMUP_STEPS, Parser, chart_command, check_path, whole_number
 from run_keeping.files import write_report
 
 
@@ -83,7 +73,6 @@ def parse_args(argv=None):
 
 
 def settle(args, parser):
-    """What the flags leave to work out: the configurations, the steps, the accelerator."""
     if (args.talk or args.sequel) and not args.memory:
         parser.error("--talk and --sequel go with --memory")
     args.memory_models_given = args.memory_models is not None
@@ -94,9 +83,8 @@ def settle(args, parser):
         if any(spec not in SCRIPTS for spec in args.scripts or []):
             parser.error(f"--memory --talk runs scripts by number at batch 16; known: {' '.join(SCRIPTS)}")
     args.memory_scripts = args.scripts if args.talk or args.sequel else None
-    args.scripts_given = args.scripts is not None
     args.scripts = args.scripts or (throughput.SMOKE_SCRIPTS if args.smoke else [n for n in SCRIPTS if n != "00"])
-    args.repeat_given, args.repeat = args.repeat is not None, args.repeat or throughput.REPEAT
+    args.repeat = args.repeat or throughput.REPEAT
     args.max_steps = args.max_steps or throughput.STEPS["smoke" if args.smoke else "full"]
     args.loader_images = 2000 if args.loader_images is None else args.loader_images
     args.loader_workers = args.loader_workers or [0, 1, 2, 4]
@@ -123,8 +111,8 @@ def settle(args, parser):
 
 
 def measure_throughput(args):
-    """The throughput report: every configuration's rounds, then the input pipeline. Returns
-    (the report, how many configurations failed)."""
+    """The throughput report: every configuration's rounds, then the input pipeline: (the report,
+    configurations failed)."""
     started = time.time()
     measured = throughput.new_measurement(args.runs)
     with tempfile.TemporaryDirectory(prefix="benchmark-") as scratch:

@@ -4,14 +4,11 @@
     python plot_results.py --smoke              # the --smoke runs instead of full runs
     python plot_results.py --log examples/talk-log.md   # also logs in the talk's text format
 
-Keeps the latest record per script and seed, draws training time, test accuracy, peak memory and
-throughput per script (ours solid, the talk's hatched beside full runs only: a smoke or
-synthetic run is another model on other data, never drawn on the talk's axis), and prints the
-same as a table with each script's speedup over 01. Several seeds of a script (`--seed`): the bar
-is their mean and the error bar their range (min to max); the table gives n and the accuracy's
-range. Speedup, here and in benchmark.py, is training throughput over 01's: images/s divided by
-01's images/s; for the talk's runs and for logs, which publish no
-throughput, 01's training time divided by the script's (the same images in each run).
+The latest record per script and seed; training time, test accuracy, peak memory and throughput
+per script (the talk's hatched beside full runs only: a smoke or synthetic run is another model on
+other data), and a table with each script's speedup over 01 (images/s over 01's; for the talk and
+for logs, which publish no throughput, 01's training time over the script's). Several seeds: the
+bar is their mean, the error bar their range.
 """
 import os
 import re
@@ -21,10 +18,7 @@ import textwrap
 from pathlib import Path
 
 from run_keeping import fail
-from run_keeping.config import Parser
-from run_keeping.config import chart_command
-from run_keeping.config import check_path
-from run_keeping.config import lessons
+from run_keeping.config import Parser, chart_command, check_path, lessons
 from run_keeping.record import read_runs, upgrade
 
 ROOT = Path(__file__).resolve().parent
@@ -45,8 +39,7 @@ def warn(message):
 
 
 def usable_records(path, known):
-    """The records of a JSONL file that can be charted; bad lines are named, skipped and
-    reported."""
+    """The records of a JSONL file that can be charted; bad lines are named and skipped."""
     try:
         records = read_runs(path, skip=lambda number, why: warn(f"{path}:{number}: {why}, skipped"), numbered=True)
     except OSError as err:
@@ -71,8 +64,8 @@ LOG_PATTERNS = {
 
 
 def read_log(path, known):
-    """Runs from a log in the talk's text format: a '# NN_name.py' heading, then its
-    'Time elapsed … min', 'Memory used: … GB' and 'Test accuracy …%' lines."""
+    """Runs from a log in the talk's text format: a '# NN_name.py' heading, then its time, memory and
+    accuracy lines."""
     try:
         text = Path(path).read_text()
     except OSError as err:
@@ -106,17 +99,15 @@ SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
 
 
 def configuration(record):
-    """What a ratio may be formed across: runs of the same kind, per-process batch, image size
-    (the kind's), model and number of processes. Logs in the talk's format have none of these:
-    they compare among themselves."""
+    """What a ratio may be formed across: runs of the same kind, per-process batch, model and
+    processes."""
     return (record["kind"], record["batch_size"], record["model"], record["world_size"])
 
 
 def select(records, kind, everything=False):
-    """The runs of the asked kind, or of the first kind that exists: the latest record per
-    script, configuration and seed, summarised per script and configuration (mean, range, n),
-    keyed (script, configuration). Runs cut short by --max-steps are left out unless
-    `everything`. Returns (kind, runs, [what was left out and why])."""
+    """(kind, runs, what was left out): the runs of the asked kind (or the first that exists), the
+    latest per script, configuration and seed, summarised per script and configuration; runs cut
+    short by --max-steps only with `everything`."""
     left_out = [] if everything else [r for r in records if not r["whole"]]
     records = [r for r in records if everything or r["whole"]]
     for chosen in [kind] if kind else KINDS:
@@ -141,8 +132,8 @@ def order(item):
 
 
 def summarise(runs):
-    """One script's runs (one per seed) as one record: the latest run's fields, each measured
-    figure the mean over the runs, with n and each figure's (min, max) in "range"."""
+    """One script's runs (one per seed) as one: the latest's fields, each figure the mean, with n and
+    each (min, max) in "range"."""
     summary = dict(runs[-1], n=len(runs), range={})
     for key in SPREAD:
         values = [r[key] for r in runs if r.get(key) is not None]
@@ -153,7 +144,6 @@ def summarise(runs):
 
 
 def hardware(latest):
-    """The devices the runs ran on, with how many processes a run used."""
     names = {}
     for record in latest.values():
         names.setdefault(record["device_name"] or "unknown device", set()).add(record["world_size"])
@@ -171,8 +161,8 @@ SPEEDUP = ("speedup: training images/s over 01's of the same kind, batch, model 
 
 
 def speedup(record, baseline):
-    """Throughput over the baseline's; training time where either lacks a throughput; None
-    without a baseline of the same configuration."""
+    """Throughput over the baseline's (training time where either lacks one); None without a baseline
+    of the same configuration."""
     if not record or not baseline or configuration(record) != configuration(baseline):
         return None
     if record["images_per_s"] and baseline["images_per_s"]:
@@ -183,13 +173,11 @@ def speedup(record, baseline):
 
 
 def baseline_of(key, latest):
-    """01's run of the same configuration as `key`'s, or None."""
     return latest.get((BASELINE, key[1]))
 
 
 def differences(record, reference):
-    """What a run did otherwise than the talk's run of its script: batch, processes, model, and
-    the precision that ran where the device could not run the one asked for."""
+    """What a run did otherwise than the talk's run of its script."""
     talk = reference.get(record["script"], {})
     found = []
     if record["precision_asked"] and record["precision"] != record["precision_asked"]:
@@ -206,8 +194,7 @@ def differences(record, reference):
 
 
 def table(latest, reference, kind, notes=()):
-    """The comparison as text: ours beside the talk's, each script's speedup over 01 where a 01
-    run of the same configuration exists, and what was left out."""
+    """The comparison as text: ours beside the talk's, each speedup over 01, what was left out."""
     def show(value, pattern="{:.2f}x"):
         return pattern.format(value) if value else "-"
     talk01 = reference[BASELINE]["time_min"]
@@ -243,8 +230,6 @@ def table(latest, reference, kind, notes=()):
 
 
 def short_label(record, reference):
-    """The x label of a run: its number, its technique, what its model started from, and what
-    it did otherwise than the talk's run."""
     script = record["script"]
     technique = reference[script]["technique"].split(", stepped")[0].replace(", ImageNet-pretrained", "")
     init = (record["init"] or "").split(",")[0]
@@ -255,7 +240,6 @@ def short_label(record, reference):
 
 
 def figure(latest, reference, kind):
-    """The four panels, one above the other, wide enough that no label overlaps another."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -314,8 +298,8 @@ def figure(latest, reference, kind):
 
 
 def headline_of(latest, kind, fig):
-    """The chart's title: what ran where, that a smoke or synthetic run is not the talk's, and
-    what the hatched bars are; wrapped to the figure's width."""
+    """The chart's title: what ran where, that a smoke or synthetic run is not the talk's; wrapped to
+    the figure's width."""
     headline = f"Ours: {kind} runs on {hardware(latest)}"
     if kind != "full":
         headline += f"\n{kind.upper()} RUNS, NOT A REPRODUCTION OF THE TALK"
@@ -333,7 +317,7 @@ def headline_of(latest, kind, fig):
 
 
 def save(fig, output):
-    """The PNG written beside `output` and renamed into place: whole or not at all."""
+    """The PNG written beside `output` and renamed into place."""
     import matplotlib.pyplot as plt
     output = Path(output)
     tmp = None
@@ -374,7 +358,6 @@ def parse_args(argv=None):
 
 
 def table_and_chart(args):
-    """(the table as text, the chart) of the runs the flags ask for."""
     reference = lessons()
     records = []
     if Path(args.results).exists() or not args.log:

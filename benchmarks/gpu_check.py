@@ -1,19 +1,11 @@
 """bash gpu_check.sh: what the talk's lessons do on today's GPU, without CIFAR-10 or the ImageNet
-weights (ViT-B/16 at 224 on synthetic images), within --minutes (default 7, counted from after
-its check of the modules): 01, 04 and 16 at the talk's batch, 09 at batch 128, each beside its
-bare loop; the talk's input pipeline; the memory sequel's chain 11-14.
+weights (ViT-B/16 at 224 on synthetic images), within --minutes (default 7): STAGES below, in order
+of value, each measuring lessons.csv's gpu_check column.
 
-Its stages, in order of value, are STAGES below; the lessons each measures are lessons.csv's
-gpu_check column.
-
-One loop runs the list. Each run is planned at what a run of its kind cost so far in this check
-(the same lesson and batch where it ran before), else at a plain default for its kind: a run
-that would not end in the time left is not started, and a stage that needs all its runs starts
-only if they all fit. After every run the report, results/gpu-check/gpu-check.md (--out
-elsewhere), is written again whole: what finished, what is under way, what did not run and why,
-so a kill at any moment leaves a whole report. A configuration that fails is a row saying why,
-and the rest go on (exit 6). At smoke size (--smoke, on a CPU) the memory stage is skipped,
-saying so: the smoke ViT has nothing to measure.
+Each run is planned at what a run of its kind cost so far in this check, else at DEFAULT_S: a run
+that would not end in the time left is not started. After every run the report
+(results/gpu-check/gpu-check.md, or --out) is written again whole, so a kill at any moment leaves
+a whole report. A configuration that fails is a row saying why; the rest go on (exit 6).
 
     python -m benchmarks.gpu_check --help   # what gpu_check.sh runs, with the suite on the path
 """
@@ -98,8 +90,8 @@ class Check:
         return max(1.0, self.left())
 
     def estimate(self, kind, key):
-        """Seconds a run is planned at: the last run of the same key, else the mean of its kind's
-        runs so far, else the kind's default (a first compile: the compiled-run default)."""
+        """Seconds a run is planned at: the last run of the same key, else the mean of its kind's so
+        far, else the kind's default."""
         seen = self.costs.get(kind, {})
         if seen.get(key):
             return seen[key][-1]
@@ -112,14 +104,12 @@ class Check:
         self.costs.setdefault(kind, {}).setdefault(key, []).append(seconds)
 
     def write(self, current=None):
-        """gpu-check.md as things stand: every finished stage, the one under way, what did not run."""
         from run_keeping.files import write_report
         write_report(self.out / "gpu-check.md", report_text(self, current))
 
 
 def compiles(script, size):
-    """Whether a run of `script` compiles at this size (lessons.csv's compiles; 09 compiles on a
-    GPU only, unless asked with --compile-on-cpu, which the check does not ask)."""
+    """Whether a run of `script` compiles at this size (09 compiles on a CPU only when asked)."""
     from run_keeping.config import lessons
     return bool(lessons()[script]["compiles"]) and (size == "full" or not script.startswith("09"))
 
@@ -136,14 +126,13 @@ def gpu_line():
 
 
 def stage_scripts(name):
-    """The lessons a stage measures: lessons.csv's gpu_check column."""
     from run_keeping.config import lessons
     return [script for script, row in lessons().items() if row["gpu_check"] == name]
 
 
 def plan(args):
-    """[(name, kind, title, settings, runs)]: STAGES with their (lesson, batch) runs; --scripts:
-    those (NN, or NN@B for a batch of B) in one throughput stage in place of the throughput stages."""
+    """[(name, kind, title, settings, runs)]: STAGES with their (lesson, batch) runs; --scripts: those
+    in one throughput stage in place of the throughput stages."""
     from benchmarks.runs import SCRIPTS
     stages = [(*stage, [(script, stage[3].get("batch")) for script in stage_scripts(stage[0])]) for stage in STAGES]
     if not args.scripts:
@@ -154,9 +143,8 @@ def plan(args):
 
 
 def run_throughput(check, name, title, settings, runs, scratch):
-    """Round after round, each lesson and then its bare loop, each started only if it fits (01,
-    the baseline, only if the next lesson fits beside it); the report rewritten after each run.
-    Returns (its state, its report)."""
+    """Round after round, each lesson and then its bare loop, each started only if it fits (01, the
+    baseline, only if the next lesson fits beside it). Returns (its state, its report)."""
     from benchmarks import peaks, throughput
     from benchmarks.runs import OutOfTime, RunFailed
     rounds = check.args.repeat or settings["rounds"]
@@ -202,7 +190,7 @@ def run_throughput(check, name, title, settings, runs, scratch):
 
 
 def first_steps(measured):
-    """The seconds of each lesson's first untimed steps, where it compiled (its first compile)."""
+    """The seconds of each compiled lesson's first untimed steps (its first compile)."""
     from run_keeping.config import WARMUP_STEPS
     lines = [f"- {script[:2]} at batch {batch}: its first {WARMUP_STEPS} steps, with torch.compile's first "
              f"compile, took {r['records'][0]['warmup_s']:.1f} s"
@@ -212,7 +200,6 @@ def first_steps(measured):
 
 
 def run_input(check, settings):
-    """The talk's loader at each worker count, and 09's resize on the device: if it fits."""
     from benchmarks import throughput
     args = check.args
     args.loader_images, args.loader_workers = settings["images"][check.size], settings["workers"]
@@ -226,7 +213,7 @@ def run_input(check, settings):
 
 
 def run_memory(check, name, settings, runs):
-    """The memory sequel's chain on its model, each run as it is: started only if every run fits."""
+    """The memory sequel's chain on its model, started only if every run fits."""
     from benchmarks import memory
     from benchmarks.runs import OutOfTime, RunFailed
     if check.args.smoke:
@@ -258,7 +245,6 @@ def run_memory(check, name, settings, runs):
 
 
 def report_text(check, current=None):
-    """The whole report: the machine, the budget, each stage's state and text, what did not run."""
     used = (time.monotonic() - check.started) / 60
     lines = [f"## GPU check, {datetime.now(timezone.utc):%Y-%m-%d}", "",
              f"GPU (name, driver, memory): {check.gpu}; GPUs the scripts see: {check.gpus}",
@@ -279,8 +265,8 @@ def report_text(check, current=None):
 
 
 def main(argv=None):
-    """The check: every stage of plan() in order, the report rewritten after each run. Exit 0, 2
-    (no GPU without --smoke) or 6 (some configurations failed)."""
+    """The check: every stage of plan() in order. Exit 0, 2 (no GPU without --smoke) or 6 (some
+    configurations failed)."""
     from run_keeping import fail
     args = parse_args(argv)
     check = Check(args)

@@ -1,10 +1,7 @@
-"""benchmark.py --memory: memory per process, beside the arithmetic of what a process holds: by
-strategy as the model grows (--memory), the talk's memory column (--talk: 01-07 and 10 as they
-are) and the memory sequel's chain 04, 11-15 as a staircase (--sequel). A CPU reports each
-process's peak resident memory (with glibc's thresholds fixed, benchmarks/runs.py) less what the
-libraries alone hold; a GPU reports torch.cuda.max_memory_reserved, the talk's figure. A CPU
-without native bfloat16 measures no script that asks for it (it would run in float32, which is
-not its lesson), and says so. docs/benchmarks.md has the tables as measured.
+"""benchmark.py --memory: memory per process beside the arithmetic of what a process holds: by
+strategy as the model grows (--memory), the talk's memory column (--talk) and the memory sequel's
+chain as a staircase (--sequel). A CPU reports peak resident memory less what the libraries hold,
+a GPU torch.cuda.max_memory_reserved (the talk's figure). docs/benchmarks.md has the tables.
 """
 import functools
 import sys
@@ -29,8 +26,7 @@ MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-pa
     "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
     "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
 def process_memory(cuda):
-    """(current, peak) bytes of this process: the CUDA caching allocator's reserved memory, or
-    the resident set (VmRSS, VmHWM)."""
+    """(current, peak) bytes: the CUDA allocator's reserved memory, or the resident set."""
     if cuda:
         return torch.cuda.memory_reserved(), torch.cuda.max_memory_reserved()
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
@@ -43,8 +39,8 @@ def reset_peak_memory(cuda):
 
 
 def memory_run(args):
-    """In each process of one strategy: the model(s) in turn, set up, two synthetic Adam steps in
-    bf16-mixed (as 04-07 and 10), and the peak memory of the steps; rank 0 prints one line each."""
+    """In each process of one strategy: each model set up, two synthetic Adam steps in bf16-mixed, and
+    their peak memory; rank 0 prints one line each."""
     import gc
     import lightning as L
     import torch.nn.functional as F
@@ -93,9 +89,8 @@ def memory_run(args):
 
 
 def state_terms(precision, optimizer, strategy, parameters, held):
-    """Model state one process holds, by arithmetic (bytes): its weights and gradients (4 bytes
-    each, 2 in bf16-true), Adam's two moments of the same size (SGD without momentum: none), and
-    under DDP a float32 bucket copy of every gradient."""
+    """Model state one process holds (bytes): weights and gradients (4 bytes each, 2 in bf16-true),
+    Adam's two moments (SGD without momentum: none), DDP's float32 bucket copy of every gradient."""
     size = 2 if precision == "bf16-true" else 4
     terms = {"weights": size * held, "gradients": size * held,
              "optimizer": 2 * size * held if optimizer == "Adam" else 0}
@@ -105,8 +100,6 @@ def state_terms(precision, optimizer, strategy, parameters, held):
 
 
 def state_bytes(strategy, parameters, held):
-    """--memory's model state for one of MEMORY_STRATEGIES (bf16-mixed, Adam): 16 bytes per
-    parameter held, and under DDP 4 more per parameter."""
     ddp = "ddp" if strategy.startswith("DDP") else None
     return sum(state_terms("bf16-mixed", "Adam", ddp, parameters, held).values())
 
@@ -119,8 +112,8 @@ def available_memory(cuda):
 
 
 def memory_report(args):
-    """--memory: each strategy in processes of its own, the models in turn: (the table beside
-    the arithmetic, with the goal on ViT-L/16 and what was skipped or failed; the chart's path)."""
+    """--memory: each strategy in processes of its own, the models in turn: (the table, the chart's
+    path)."""
     cuda = args.accelerator == "cuda"
     gpus = torch.cuda.device_count() if cuda else 0
     budget, rows, notes = available_memory(cuda), [], []
@@ -158,8 +151,7 @@ def memory_report(args):
 
 
 def strategy_table(rows, notes=None):
-    """--memory's table from its records: each model under each strategy beside the arithmetic,
-    what was skipped or failed, and FSDP2's and TP's peaks against DDP's on ViT-L/16."""
+    """--memory's table from its records, with FSDP2's and TP's peaks against DDP's on ViT-L/16."""
     notes = (rows[0].get("notes") or []) if notes is None and rows else notes or []
     if not rows:
         return "\n".join(["Memory per process: nothing measured.", *[f"- {note}" for note in notes]])
@@ -192,9 +184,8 @@ def strategy_table(rows, notes=None):
 
 
 def expected_held(name, strategy):
-    """(parameters, parameters one process should hold) by arithmetic, from the model built on
-    the meta device: FSDP2 halves everything; TP halves each MLP's first Linear (weight and bias)
-    and second weight; one process and DDP hold it all."""
+    """(parameters, parameters one process should hold): FSDP2 halves everything; TP halves each MLP's
+    first Linear and second weight; one process and DDP hold it all."""
     import torchvision.models
     builder, size = MEMORY_MODELS[name]
     with torch.device("meta"):
@@ -249,8 +240,7 @@ SIZE, TOKENS = 224, (224 // 16) ** 2 + 1  # the talk's images: 196 patches and t
 
 @functools.lru_cache(maxsize=None)
 def vit_shape(vit):
-    """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block),
-    counted on the meta device."""
+    """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block)."""
     import torchvision.models
     with torch.device("meta"):
         model = torchvision.models.get_model(vit, num_classes=10)
@@ -260,9 +250,7 @@ def vit_shape(vit):
 
 
 def arithmetic(record):
-    """What one process of the run this record describes should hold at its peak, term by term
-    (bytes): model state by its precision, optimizer and strategy, the activations saved for
-    backward per image times the micro-batch, and the synthetic images it holds."""
+    """What one process of the run a record describes should hold at its peak, term by term (bytes)."""
     parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
     held = max(record["parameters_per_process"])
     fsdp = record["strategy"] in ("fsdp2-per-block", "tensor-parallel+fsdp2")
@@ -291,8 +279,8 @@ def arithmetic(record):
 
 
 def libraries_gb(cuda):
-    """What an interpreter holds once torch, torchvision, lightning and torchmetrics are imported
-    (0 on a GPU: max_memory_reserved counts only CUDA's allocator)."""
+    """What an interpreter holds with torch, torchvision, lightning and torchmetrics imported (0 on a
+    GPU)."""
     if cuda:
         return 0.0
     code = ("import torch, torchvision, lightning, torchmetrics\nfrom pathlib import Path\n"
@@ -303,9 +291,8 @@ def libraries_gb(cuda):
 
 
 def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=None):
-    """The processes a script runs with: `wanted` (the talk's 4) where it takes --devices and
-    the machine has the GPUs (`gpus`, else torch's count) or the memory, else fewer (10 needs its
-    2); and why, when fewer."""
+    """The processes a script runs with: `wanted` where it takes --devices and the machine has the GPUs
+    or the memory, else fewer; and why, when fewer."""
     takes, least = process_range(SCRIPTS[number])
     if not takes:
         return 1, None
@@ -331,14 +318,13 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
 
 
 def asks_bf16(number):
-    """The bf16 precision a script asks Fabric for, or None (lessons.csv)."""
     precision = lessons()[SCRIPTS[number]]["precision"]
     return precision if precision.startswith("bf16") else None
 
 
 def chain(table):
-    """The numbers of the lessons in a memory table ("talk" or "sequel", lessons.csv's
-    memory_chain), each step after the one it is measured against (its "against": 15 after 06)."""
+    """The lessons of a memory table (lessons.csv's memory_chain), each after the one it is measured
+    against."""
     rows = {script[:2]: row for script, row in lessons().items() if table in row["memory_chain"]}
     before = {n: (row["against"] if row["against"] in rows else None) for n, row in rows.items()}
     ordered = []
@@ -353,9 +339,8 @@ def chain(table):
 
 
 def memory_plan(args, cuda, libraries, gpus=None):
-    """([(vit, number, processes)] to run, notes): the scripts of --talk or --sequel (or
-    --scripts) on each model, on the talk's processes where they fit (else fewer, said); on a CPU
-    without native bfloat16, none that asks for it (one line says why and where to measure it)."""
+    """([(vit, number, processes)], notes): --talk's or --sequel's scripts (or --scripts) on each
+    model; on a CPU without native bfloat16, none that asks for it."""
     scripts = args.memory_scripts or chain("sequel" if args.sequel else "talk")
     vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
         (list(VITS) if args.sequel else ["vit_b_16"])
@@ -375,9 +360,8 @@ def memory_plan(args, cuda, libraries, gpus=None):
 
 
 def run_for_memory(number, vit, processes, args, libraries, timeout=None):
-    """One numbered script as it is, on synthetic images at 224, batch 16, TALK_STEPS steps; its
-    record, with the table it is for and what the libraries hold (appended to the memory runs'
-    file too, from which the tables can be made again). RunFailed where it failed."""
+    """One numbered script as it is, on synthetic images at 224, batch 16; its record, appended to the
+    memory runs' file too."""
     script, cuda = SCRIPTS[number], args.accelerator == "cuda"
     with tempfile.TemporaryDirectory(prefix="memory-") as scratch:
         folder = Path(scratch)
@@ -393,9 +377,8 @@ def run_for_memory(number, vit, processes, args, libraries, timeout=None):
 
 
 def talk_memory(args):
-    """--memory --talk / --sequel: each script run as it is; its peak per process less the
-    libraries beside the arithmetic, the talk's (or the sequel's) figure, images/s and speedup.
-    Returns (the tables, the chart's path or None, how many runs failed)."""
+    """--memory --talk / --sequel: each script as it is, beside the arithmetic and the published
+    figures. Returns (the tables, the chart's path or None, the runs that failed)."""
     cuda = args.accelerator == "cuda"
     libraries, reference, rows = libraries_gb(cuda), lessons(), []
     plan, notes = memory_plan(args, cuda, libraries)
@@ -412,8 +395,6 @@ def talk_memory(args):
 
 
 def row_of(record, libraries, reference):
-    """One run's row: its record, the arithmetic's terms and total, its peak less the libraries
-    and the published figures for its script."""
     terms = arithmetic(record)
     return {"number": record["script"][:2], "vit": record["model"], "record": record, "terms": terms,
             "peak": record["peak_memory_gb"], "less": record["peak_memory_gb"] - libraries,
@@ -421,7 +402,6 @@ def row_of(record, libraries, reference):
 
 
 def memory_tables(rows, libraries, notes, cuda):
-    """The tables of --memory --talk or --sequel from their rows (a failed run's row says why)."""
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     measured = [r for r in rows if "failed" not in r]
     device = measured[0]["record"]["device_name"] if measured else device_name("cuda" if cuda else "cpu")
@@ -477,8 +457,8 @@ TERMS = ["weights", "gradients", "optimizer", "autocast's bf16 weights", "DDP's 
 
 
 def staircase_lines(rows):
-    """Each step of the sequel's chain against the one before it: what it saved, measured and by
-    arithmetic; and the chain's whole saving on each model."""
+    """Each step of the sequel's chain against the one before it, measured and by arithmetic; and the
+    chain's whole saving."""
     against = {script[:2]: row["against"] for script, row in lessons().items() if "sequel" in row["memory_chain"]}
     by = {(r["vit"], r["number"]): r for r in rows}
     cells = []

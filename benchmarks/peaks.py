@@ -30,9 +30,8 @@ DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": t
 
 
 def peak_tflops(device_name, precision, given=None):
-    """Dense peak TFLOP/s of one device for a precision: --peak-tflops, else the table above,
-    else Lightning's table (other GPUs, where this process sees one); None where nobody knows
-    (CPUs, 64-true)."""
+    """Dense peak TFLOP/s of a device for a precision: --peak-tflops, the table, else Lightning's
+    table; None where nobody knows."""
     if given and precision in given:
         return given[precision]
     if UNIT.get(precision) is None:
@@ -49,8 +48,7 @@ def peak_tflops(device_name, precision, given=None):
 
 @functools.lru_cache(maxsize=None)
 def flops_per_image(smoke):
-    """Training FLOPs (forward and backward) per image of the scripts' model, counted by
-    Lightning's measure_flops on the meta device (no memory, no time)."""
+    """Training FLOPs per image, by Lightning's measure_flops on the meta device."""
     from lightning.fabric.utilities.throughput import measure_flops
     from local_utilities import NUM_CLASSES, SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
     size = SMOKE_IMAGE_SIZE if smoke else TALK_IMAGE_SIZE

@@ -1,8 +1,7 @@
-"""Running processes for the benchmarks: the one runner of a numbered script (on synthetic data,
-its record back) and the one protocol of the benchmark's own child processes (a bare loop, a
-memory run: each answers with tagged JSON lines). A process that fails, or is stopped at its time
-limit, raises RunFailed with the one line that says why, so a tool can report it as a row and go
-on with the rest."""
+"""Running processes for the benchmarks: the one runner of a numbered script (its record back) and
+the one protocol of the benchmark's own child processes (tagged JSON lines). A process that fails
+or runs out of time raises RunFailed with the one line that says why.
+"""
 import json
 import os
 import signal
@@ -19,7 +18,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def training_lessons():
-    """{number: script} of every lesson that trains (all but 08), from lessons.csv."""
     return {script[:2]: script for script, row in lessons().items() if row["epochs"]}
 
 
@@ -42,22 +40,18 @@ class OutOfTime(RunFailed):
 
 
 def process_range(script):
-    """(whether the script runs several processes by default, the fewest it runs on): lessons.csv's
-    devices and min_devices (10's tensor parallelism needs 2)."""
+    """(whether the script runs several processes by default, the fewest it runs on)."""
     row = lessons()[script]
     return row["devices"] > 1, row["min_devices"]
 
 
 def memory_env(cuda):
-    """The environment a process is measured for memory in: glibc's thresholds fixed on a CPU."""
     return dict(os.environ, **({} if cuda else EXACT_MALLOC))
 
 
 def run(command, env=None, timeout=None):
-    """A process and all it starts (Lightning starts a multi-process run's others), in a session
-    of its own so that a time limit stops every one of them. Returns (the finished process,
-    (what it printed on stdout, wall seconds); RunFailed at the limit, or where it failed (its
-    own error line)."""
+    """A process and all it starts, in a session of its own so a time limit stops them all: (its
+    stdout, wall seconds), or RunFailed."""
     began = time.monotonic()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
@@ -76,15 +70,15 @@ def run(command, env=None, timeout=None):
 
 
 def why(code, stderr):
-    """The one line that says why a process failed: its own error line, else its last line."""
+    """The one line that says why a process failed: its own error line, else its last."""
     lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
     said = [line for line in lines if ": error: " in line] or lines[-1:] or ["no output"]
     return f"exit {code}: {first_sentence(said[-1], 240)}"
 
 
 def run_script(script, flags, results, env=None, timeout=None):
-    """A numbered script with `flags`, appending its record to `results`: (that record, wall
-    seconds). RunFailed where it failed, or ended without a record."""
+    """A numbered script with `flags`: (the record it appended to `results`, wall seconds), or
+    RunFailed."""
     def lines():
         try:
             return Path(results).read_text().splitlines()
@@ -101,13 +95,12 @@ def run_script(script, flags, results, env=None, timeout=None):
 
 # -- the benchmark's own child processes ----------------------------------------------------------
 def say(tag, answer, fabric=None):
-    """A child's answer to its parent: one line, its tag and the JSON (from the first process)."""
     (fabric.print if fabric is not None else print)(f"{tag} {json.dumps(answer)}", flush=True)
 
 
 def ask(tag, flags, env=None, timeout=None):
-    """benchmark.py in one of its internal modes (`flags`): every answer it said under `tag`, and
-    the wall seconds. RunFailed where it failed or said nothing."""
+    """benchmark.py in one of its internal modes: (every answer it said under `tag`, wall seconds), or
+    RunFailed."""
     out, seconds = run([sys.executable, str(ROOT / "benchmark.py"), *flags], env, timeout)
     answers = [json.loads(line[len(tag) + 1:]) for line in out.splitlines() if line.startswith(tag + " ")]
     if not answers:
@@ -116,8 +109,8 @@ def ask(tag, flags, env=None, timeout=None):
 
 
 def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
-    """The strategy a script's record names, for `devices` processes; `parallelize`: the name of
-    the record's parallelize function (15's offloads), else the one its strategy implies."""
+    """The strategy a record names, for `devices` processes (`parallelize`: 15's offload, else the
+    strategy's own)."""
     import lightning as L
     import local_utilities
     if name in ("single-device", "ddp"):

@@ -1,15 +1,8 @@
-"""What each technique buys, without the data set: the numbered scripts on synthetic data
-(--synthetic), each beside a bare loop of the same maths, several times, interleaved; images/s,
-the speedup over 01, the ratio to the bare loop, each with its spread over the rounds, peak memory
-and MFU; the rate of the talk's CIFAR-10 input pipeline; then, in plain words, what this machine
-showed and what it cannot say.
-
-Speedup, here and in plot_results.py, is training throughput over 01's: images/s divided by 01's
-images/s at the same batch on as many processes, in the same round. "vs bare" is the script's
-images/s divided by its bare loop's, which has nothing in its loop but forward, loss, zero_grad,
-backward and step on one batch held on the device, in the script's precision, strategy,
-micro-batches, activation checkpointing, optimizer (and its kernel) and offload: what the harness
-and the data loader cost.
+"""What each technique buys, without the data set: the numbered scripts on synthetic data, each
+beside a bare loop of the same maths, in interleaved rounds; images/s, the speedup over 01 (images/s
+over 01's at the same batch and processes in the same round), the ratio to the bare loop (what the
+harness and the data loader cost), each with its spread, peak memory and MFU; the rate of the
+talk's input pipeline; then what this machine showed and what it cannot say.
 """
 import argparse
 import json
@@ -52,8 +45,7 @@ def common_flags(args):
 
 
 def run_configuration(script, batch, args, scratch, timeout=None):
-    """One script on synthetic data: (its record, wall seconds). Its model file goes to a scratch
-    folder (or models/benchmark/ with --keep-models), its checkpoints too."""
+    """One script on synthetic data: (its record, wall seconds)."""
     models = Path("models/benchmark") if args.keep_models else Path(scratch)
     flags = ["--synthetic", "--max-steps", str(args.max_steps), "--batch-size", str(batch),
              "--save-model", str(models / f"{script[:-3]}.pt"),
@@ -65,7 +57,6 @@ def run_configuration(script, batch, args, scratch, timeout=None):
 
 
 def bare_spec(record):
-    """What a script's record says it computed, which its bare loop computes too."""
     return {"precision": record["precision"], "strategy": record["strategy"],
             "processes": record["world_size"], "tensor_parallel": record["tensor_parallel_size"] or 1,
             "batch": record["batch_size"], "micro_batches": record["micro_batches"] or 1,
@@ -79,8 +70,6 @@ def bare_key(record):
 
 
 def run_bare(record, args, timeout=None):
-    """The bare loop in a process of its own, as the script's record says it ran: (its answer,
-    wall seconds)."""
     spec = json.dumps(bare_spec(record))
     print(f"running the bare loop {spec}", file=sys.stderr, flush=True)
     (answer,), seconds = ask("BARE", ["--bare-loop", spec, "--max-steps", str(args.max_steps),
@@ -89,10 +78,9 @@ def run_bare(record, args, timeout=None):
 
 
 def bare_loop(args):
-    """Nothing but forward, loss, zero_grad, backward and step, on one batch of random images
-    held on the device, in the script's precision, strategy, micro-batches, checkpointing,
-    optimizer, offload and torch.compile mode; timed after 3 optimizer steps, with one
-    synchronisation at each end (so a first compile is not timed, as in the script)."""
+    """Nothing but forward, loss, zero_grad, backward and step on one batch held on the device, as the
+    script's record says it ran (precision, strategy, micro-batches, checkpointing, optimizer and
+    its kernel, offload, compile mode); timed after 3 optimizer steps, as the script."""
     import lightning as L
     import torch.nn.functional as F
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -146,18 +134,16 @@ def bare_loop(args):
 
 
 def make_optimizer(name, parameters, kernel=None):
-    """The optimizer a record names (Adam, AdamW, SGD: any of torch.optim's) with the kernel the
-    script's stepped with (kernel: "fused", "foreach" or "for-loop", as the record says; None,
-    in a record before it said: torch's own choice, which the scripts' Adam takes), at the
-    learning rate of its lessons."""
+    """The optimizer a record names with the kernel it stepped with (None: torch's own choice), at its
+    lessons' learning rate."""
     options = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
     return getattr(torch.optim, name)(parameters, lr=0.01 if name == "SGD" else 5e-5,
                                       **options.get(kernel, {}))
 
 
 class Cifar10Shaped(torch_data.Dataset):
-    """What torchvision's CIFAR10 does per image: a stored 32x32x3 uint8 array to a PIL image,
-    then the transform. Random pixels, made once, so no download and no generation is timed."""
+    """What torchvision's CIFAR10 does per image (a stored 32x32x3 uint8 array to PIL, then the
+    transform), on random pixels made once."""
 
     def __init__(self, num_images, transform):
         import numpy as np
@@ -173,8 +159,7 @@ class Cifar10Shaped(torch_data.Dataset):
 
 
 def loader_rates(num_images, workers, batch_size=16):
-    """Images/s of the talk's input pipeline (PIL Resize to 224, ToTensor) on images of
-    CIFAR-10's shape; timed after the first batch (worker start-up excluded)."""
+    """Images/s of the talk's input pipeline at each worker count, after the first batch."""
     import warnings
     from local_utilities import talk_transforms
     dataset = Cifar10Shaped(num_images, talk_transforms())
@@ -191,8 +176,7 @@ def loader_rates(num_images, workers, batch_size=16):
 
 
 def resize_rate(num_images, device, batch_size=128):
-    """Images/s of 09's input pipeline: uint8 images already on the device, indexed, turned to
-    floats and resized to 224 there (local_utilities.resize_on_device)."""
+    """Images/s of 09's input pipeline: uint8 images on the device, resized to 224 there."""
     from local_utilities import resize_on_device
     images = torch.randint(0, 256, (num_images, 3, 32, 32), dtype=torch.uint8, device=device)
     resize_on_device(images[:batch_size])  # warm-up
@@ -207,21 +191,18 @@ def resize_rate(num_images, device, batch_size=128):
 
 
 def input_rates(args):
-    """The talk's loader at each worker count, and 09's resize on the device."""
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     return {"workers": loader_rates(args.loader_images, args.loader_workers), "device": device.type,
             "resize": resize_rate(args.loader_images, device)}
 
 
 def new_measurement(runs):
-    """{(script, batch): {"records": [...], "bares": [...], "failed": None or why}}, to fill."""
     return {run: {"records": [], "bares": [], "failed": None} for run in runs}
 
 
 def measure_round(measured, args, scratch, timeout=lambda: None, bare=True):
-    """One round of every configuration not yet failed: its script, then its bare loop (drift on
-    the machine hits every configuration alike). A failure is kept as the configuration's
-    reason, and it is not run again; `timeout()`: the seconds a process may still take."""
+    """One round of every configuration not yet failed: its script, then its bare loop; a failure is
+    kept as the configuration's reason, and it is not run again."""
     for (script, batch), runs in measured.items():
         if runs.get("failed"):
             continue
@@ -235,15 +216,13 @@ def measure_round(measured, args, scratch, timeout=lambda: None, bare=True):
 
 
 def spread(values):
-    """(median, lowest, highest) of a list, or Nones."""
     return (statistics.median(values), min(values), max(values)) if values else (None, None, None)
 
 
 def rows_of(measured, flops, args):
-    """One row per configuration (and one per bare loop): the median and range over the rounds
-    of images/s, of the ratio to 01 of the same batch and processes in the same round, and of
-    the ratio to its bare loop; peak memory; MFU; whether its bare loops disagreed (busy) or the
-    ratio to 01 cannot be told from 1 (within noise); a configuration that failed, with why."""
+    """One row per configuration (and per bare loop): median and range over the rounds of images/s, of
+    the ratio to 01 and of the ratio to the bare loop; peak memory; MFU; whether it was busy or
+    within noise of 01."""
     base = {(r["records"][0]["batch_size"], r["records"][0]["world_size"]): r for (s, _), r in measured.items()
             if s == "01_pytorch-vit.py" and r["records"]}
     alike = {}  # the bare loops of every configuration of one bare spec, every round
@@ -283,18 +262,15 @@ def rows_of(measured, flops, args):
 
 
 def spread_of(values):
-    """How far apart the highest and lowest are, as a share of the lowest; None for fewer than 2."""
     return max(values) / min(values) - 1 if len(values) > 1 else None
 
 
 def precision_of(record):
-    """The precision that ran, and the one asked for where the device could not run it."""
     asked = record.get("precision_asked")
     return record["precision"] + (f" (asked {asked})" if asked and asked != record["precision"] else "")
 
 
 def ratio(value, pattern="{:.2f}"):
-    """A median with its range over the rounds: 1.04 (0.98-1.10)."""
     median, low, high = value
     if median is None:
         return "-"
@@ -302,7 +278,6 @@ def ratio(value, pattern="{:.2f}"):
 
 
 def busy_note(row):
-    """Why a row is marked busy: its runs waited for a core, or its bare loops disagreed."""
     return "; ".join([*([f"busy: its runs waited for a CPU core {row['waited']:.0%} of their time"]
                         if row["waited"] > BUSY_WAIT else []),
                       *([f"busy: bare loops of its settings differ by {row['spread_bare']:.0%}"]
@@ -328,7 +303,6 @@ def rows_table(rows):
 
 
 def talk_comparison(rows, reference):
-    """Ours beside the talk's, where comparable without the data set: batch 16, one device."""
     ours = {r["script"][:2]: r for r in rows if r["script"][:2].isdigit() and r["batch"] == 16
             and r.get("devices") == 1}
     talk01 = reference["01_pytorch-vit.py"]["time_min"]
@@ -340,10 +314,8 @@ def talk_comparison(rows, reference):
 
 
 def ranking(rows):
-    """The one-process configurations at batch 16, fastest first by their median ratio to 01,
-    as text: "02 > 01 = 03 > 04". Two neighbours are tied (=) unless the faster was faster in
-    every round and by more than TIE in the median: with a few rounds, two equal scripts are
-    often ordered alike in each by chance."""
+    """The one-process configurations at batch 16, fastest first ("02 > 01 = 03 > 04"): tied (=) unless
+    the faster was faster in every round and by more than TIE in the median."""
     chosen = sorted((r for r in rows if r["script"] != "bare loop" and r.get("devices") == 1
                      and r["batch"] == 16 and r["vs_01_rounds"]), key=lambda r: -r["vs_01"][0])
     text = chosen[0]["script"][:2] if chosen else ""
@@ -355,8 +327,8 @@ def ranking(rows):
 
 
 def verdict(rows, args, device):
-    """The report's last lines, in plain words: what this machine showed at this size, what is
-    within noise, whether it was busy, what failed, and what it cannot say about a GPU."""
+    """The report's last lines: what this machine showed at this size, what is within noise, whether it
+    was busy, what failed, what it cannot say about a GPU."""
     size = "the smoke size (a 3-layer ViT at 32x32)" if args.smoke else "ViT-B/16 at 224x224"
     scripts = [r for r in rows if r["script"] != "bare loop" and "n" in r]
     rounds = max((r["n"] for r in scripts), default=0)
@@ -400,7 +372,6 @@ def first_record(measured):
 
 
 def report(args, measured, flops, rates):
-    """The whole report, as text, of what was measured so far."""
     rows = rows_of(measured, flops, args)
     first = first_record(measured) or {}
     device = first.get("device_name", "this machine")
@@ -422,7 +393,6 @@ def report(args, measured, flops, rates):
 
 
 def input_lines(rates, rows, args):
-    """The input pipeline's rates, and whether the talk's 04 would wait for its loader."""
     lines = [f"The talk's CIFAR-10 input pipeline (PIL Resize to 224 + ToTensor, {args.loader_images} "
              f"images of 32x32, batch 16), on {torch.get_num_threads()} CPU threads:", ""]
     lines += [f"- {w} worker{'s' if w != 1 else ''}: {fmt(rate, '{:.0f}')} images/s"

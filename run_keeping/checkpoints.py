@@ -1,11 +1,8 @@
 """Checkpoints and --resume; the finetuned model file. A checkpoint keeps the model, optimizer,
-scheduler, random states, the figures so far and the settings that shape its run; one is written
-after each epoch, and one mid-epoch when the run is asked to stop (SIGTERM, Ctrl-C): with the batches done, the epoch's
-loss so far and the random state its data order came from, so a continued run goes on from that
-batch. --resume restores them after checking that the checkpoint is this run's. While a run
-runs, it holds its folder (a lock that dies with its process): a second run there is refused.
-The model file is a plain state dict of torchvision's VisionTransformer (whole when FSDP2 sharded
-it, without torch.compile's prefixes), loaded back with clear errors."""
+scheduler, random states, the figures so far and the settings that shape the run; one is written
+after each epoch, and one mid-epoch when the run is asked to stop, so a continued run goes on from
+that batch. A running run holds its folder: a second run there is refused.
+"""
 import io
 import json
 import logging
@@ -29,8 +26,7 @@ SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_p
 
 
 def resume_hint(folder):
-    """The command that continues the run in another folder: its own flags, or (where its
-    latest.json lacks them) the flags of its kind, read from its name."""
+    """The command that continues the run in another folder: its own flags, or those of its kind."""
     try:
         latest = json.loads((folder / LATEST).read_text())
     except (OSError, ValueError):
@@ -40,23 +36,21 @@ def resume_hint(folder):
 
 
 def checkpoint_name(progress):
-    """epoch-0002.ckpt after 2 epochs; epoch-0003-batch-00150.ckpt 150 batches into the third."""
     done = progress["batches_done"]
     epoch = progress["epochs_done"] + (1 if done else 0)
     return f"epoch-{epoch:04d}" + (f"-batch-{done:05d}" if done else "") + ".ckpt"
 
 
 def launched_by():
-    """What started this process, kept in each checkpoint: a requeued SLURM job or a torchrun
-    restart has the same, and continues its run by itself."""
+    """What started this process: a requeued SLURM job or a torchrun restart has the same."""
     env = os.environ
     return {"slurm_job_id": env.get("SLURM_JOB_ID"), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
 
 
 def restarted(latest):
-    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM
-    requeued its job, or torchrun restarted its workers), or None: a user at a terminal starts
-    a new run, and is not let into an unfinished one without --resume."""
+    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM's requeue,
+    torchrun's restart), or None: a user at a terminal is not let into an unfinished run without
+    --resume."""
     env, launch = os.environ, latest.get("launch") or {}
     if int(env.get("SLURM_RESTART_COUNT", "0")) > 0 and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
         return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {env['SLURM_RESTART_COUNT']})"
@@ -67,8 +61,6 @@ def restarted(latest):
 
 
 class Checkpoints:
-    """A run's checkpoint folder: held while the run runs, a checkpoint written after each epoch
-    (and where a stopped run was), the newest loaded by --resume."""
 
     def __init__(self, config, fabric, rank):
         self.config, self.fabric, self.rank = config, fabric, rank
@@ -84,7 +76,6 @@ class Checkpoints:
             return None
 
     def claim(self):
-        """Process 0: hold the folder, or refuse in one line if a run is in progress there."""
         self.held = FolderLock(self.folder)
 
     def release(self):
@@ -96,15 +87,12 @@ class Checkpoints:
             remove_empty_folders(self.folder, up_to=self.folder.parent.parent if default else self.folder.parent)
 
     def start_over(self):
-        """The command that drops this run's folder (and checkpoints/ where it is left empty)
-        and starts the run afresh."""
         default = self.config.checkpoint_dir_is_default
         return start_over_command(self.folder, self.folder.parent if default else None)
 
     def decide(self):
-        """Whether this run continues the one in the folder: --resume, or its launcher started
-        it again; refuses a fresh run over an unfinished one, and --resume with nothing to
-        resume, each in one line. Every process decides the same from the same files."""
+        """Whether this run continues the one in the folder (--resume, or a launcher's restart);
+        refuses a fresh run over an unfinished one, and --resume with nothing to resume."""
         latest = self.read_latest()
         exists = (self.folder / LATEST).exists()
         again = restarted(latest) if latest else None
@@ -122,8 +110,8 @@ class Checkpoints:
         return again
 
     def load(self, model, optimizer, settings, scheduler=None):
-        """The newest checkpoint into model, optimizer and scheduler; returns its progress
-        (epochs and batches done, steps, figures so far) and its random states."""
+        """The newest checkpoint into model, optimizer and scheduler; returns its progress and random
+        states."""
         latest_file = self.folder / LATEST
         try:
             latest = json.loads(latest_file.read_text())
@@ -159,10 +147,9 @@ class Checkpoints:
         return state["progress"], state["rng"]
 
     def save(self, model, optimizer, progress, settings, scheduler):
-        """A checkpoint of the progress so far (after an epoch, or mid-epoch when the run is
-        asked to stop), written beside the last one and renamed into place, then named in
-        latest.json; older ones removed. A failed write, in any process: one line from each,
-        exit 1, the last good checkpoint kept."""
+        """A checkpoint written beside the last and renamed into place, then named in latest.json;
+        older ones removed. A failed write, in any process: one line each, exit 1, the last good one
+        kept."""
         name, began = checkpoint_name(progress), time.perf_counter()
         final, tmp = self.folder / name, self.folder / (name + ".tmp")
         meta = {"script": self.config.script, "kind": self.config.kind, "settings": settings,
@@ -210,7 +197,6 @@ class Checkpoints:
         return time.perf_counter() - began
 
     def remove_all(self):
-        """A finished run: nothing left to resume, and no empty folder left behind."""
         remove(self.folder / LATEST)
         for old in self.folder.glob("epoch-*.ckpt"):
             remove(old)
@@ -218,8 +204,7 @@ class Checkpoints:
 
 
 def rng_states():
-    """The random states: Python's, NumPy's, torch's CPU generator and this process's GPU (each
-    process uses one; a checkpoint continued where fewer GPUs are visible still fits)."""
+    """The random states: Python's, NumPy's, torch's CPU generator and this process's GPU's."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     states = {"torch": torch.get_rng_state(), "python": random.getstate(),
               "numpy": [kind, keys.tolist(), pos, has_gauss, cached]}  # plain, for weights_only
@@ -240,9 +225,8 @@ def set_rng_states(states):
 
 
 class SkipFirst:
-    """A sampler that, for one pass, leaves out the first `count` indices of another (the batches
-    a run did before it stopped mid-epoch), then puts the random state back to where the run
-    stopped; it hands the batch sampler its own sampler back for the passes after."""
+    """A sampler that, for one pass, leaves out the first `count` indices of another (the batches done
+    before a mid-epoch stop), then puts the random state back."""
 
     def __init__(self, batch_sampler, count, rng):
         self.batch_sampler, self.original = batch_sampler, batch_sampler.sampler
@@ -261,9 +245,8 @@ class SkipFirst:
 
 
 def continue_data_order(train_loader, progress, rng):
-    """--resume: the loader's order goes on as the stopped run's would have: a distributed
-    sampler's epoch, the random state the current epoch's order came from, and, stopped
-    mid-epoch, that epoch's order again less its first batches."""
+    """--resume: the loader's order goes on as the stopped run's would have (the distributed sampler's
+    epoch, the random state, mid-epoch: less the batches done)."""
     partial = progress.get("partial") or {}
     if hasattr(getattr(train_loader, "sampler", None), "set_epoch"):
         # Fabric's loader sets the distributed sampler's epoch from the number of times it
@@ -276,8 +259,6 @@ def continue_data_order(train_loader, progress, rng):
 
 
 def continue_mid_epoch(train_loader, batches, rng):
-    """The loader's next pass starts after its first `batches` batches (a torch DataLoader, as
-    Fabric set it up, or a loader with a skip_first method, as 09's)."""
     if hasattr(train_loader, "skip_first"):
         train_loader.skip_first(batches)
         set_rng_states(rng)
@@ -289,7 +270,6 @@ def continue_mid_epoch(train_loader, batches, rng):
 # -- the finetuned model file ------------------------------------------------------------------
 
 def count_local_parameters(model):
-    """Parameters this process holds: a sharded parameter counts only its local shard."""
     return sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                for p in model.parameters())
 
@@ -299,15 +279,14 @@ def count_parameters(model):
 
 
 def held_line(held, whole):
-    """How many parameters each process holds, of the model's `whole`."""
     if len(set(held)) == 1 and held[0] == whole:
         return f"Parameters held per process: each of the {len(held)} processes holds all {whole:,}"
     return "Parameters held per process: " + ", ".join(f"{n:,}" for n in held) + f" of {whole:,}"
 
 
 def plain_state_dict(model):
-    """The model's whole state dict on the CPU, with the keys of torchvision's model: FSDP2's
-    shards gathered (every process must call this), torch.compile's "_orig_mod." dropped."""
+    """The whole state dict on the CPU with torchvision's keys: FSDP2's shards gathered (every process
+    must call this), torch.compile's "_orig_mod." dropped."""
     # gathering a 2-D (tensor x data parallel) shard warns that it takes two steps
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     state, cpu_meshes = {}, {}
@@ -319,12 +298,9 @@ def plain_state_dict(model):
 
 
 def whole(dtensor, cpu_meshes):
-    """A DTensor's whole tensor, gathered from every process. A shard in CPU memory (FSDP2's CPU
-    offload, 15) on a mesh whose process group has no backend for the CPU (NCCL takes only GPU
-    tensors: "No backend type associated with device type cpu") is gathered where it lies, over
-    gloo, in a group of the same processes made for it. torch's own full state dict moves such a
-    shard to the GPU instead (torch/distributed/_state_dict_utils.py), holding each whole tensor
-    in GPU memory for a moment; a gather in CPU memory needs none."""
+    """A DTensor's whole tensor. A shard in CPU memory (15's offload) on an NCCL mesh, which takes no
+    CPU tensors, is gathered over a gloo group of the same processes; torch's own full state dict
+    would move each whole tensor to the GPU for a moment instead."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
@@ -339,7 +315,6 @@ def whole(dtensor, cpu_meshes):
 
 
 def has_backend(group, device):
-    """Whether a process group can run collectives on `device`'s tensors."""
     try:
         group._get_backend(device)
         return True
@@ -348,14 +323,12 @@ def has_backend(group, device):
 
 
 def load_state_dict(model, state):
-    """model.load_state_dict for a plain state dict, also into a torch.compile'd model (whose own
-    keys carry "_orig_mod.")."""
+    """model.load_state_dict for a plain state dict, also into a compiled model ("_orig_mod.")."""
     own = {key.replace("_orig_mod.", ""): key for key in model.state_dict()}
     model.load_state_dict({own.get(key, key): value for key, value in state.items()})
 
 
 def misfit(model, state):
-    """How a state dict differs from the model's, in a few whole words."""
     own = {key.replace("_orig_mod.", ""): value for key, value in model.state_dict().items()}
     missing, extra = own.keys() - state.keys(), state.keys() - own.keys()
     shapes = [k for k in own.keys() & state.keys() if own[k].shape != state[k].shape]
@@ -370,8 +343,7 @@ def misfit(model, state):
 
 
 def load_model_file(model, path):
-    """A finetuned model file (a plain state dict) into `model`, or one line saying what is wrong
-    with the file, exit 2."""
+    """A finetuned model file into `model`, or one line saying what is wrong with it, exit 2."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:

@@ -1,10 +1,8 @@
-"""The command line every numbered script shares, parsed once into a Config that nothing changes
-afterwards; the values derived from the flags are worked out here and nowhere else. A bad value, a
-flag the run would ignore, a path that cannot be used, a launch that does not match the flags or
-a batch larger than the training set is one line, exit 2. Also: the commands the suite prints
-(they name the script as it was invoked, so each runs as printed), and lessons.csv, read
-here for every tool. Imports no torch until a script's flags are parsed (plot_results.py uses
-the parser)."""
+"""The command line every numbered script shares, parsed once into a frozen Config with every
+derived value; a bad value, an ignored flag, an unusable path or a launch that does not match the
+flags is one line, exit 2. Also the commands the suite prints and lessons.csv, read here for every
+tool. Imports no torch until a script's flags are parsed.
+"""
 from __future__ import annotations
 
 import argparse
@@ -49,9 +47,7 @@ LISTED = ("flags", "memory_chain")
 
 
 def lessons():
-    """{script: its row of lessons.csv}: the texts as text (None where empty); budget, epochs and
-    devices as whole numbers; flags and memory_chain as lists; the talk's and the sequel's figures
-    as floats (None where there are none)."""
+    """{script: its row of lessons.csv}, each column typed (None where empty)."""
     with open(ROOT / "lessons.csv") as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
     return {row["script"]: {k: v.split() if k in LISTED else (v or None) if k in TEXT else
@@ -61,19 +57,17 @@ def lessons():
 
 # -- the commands the suite prints ---------------------------------------------------------------
 def invoked(*flags):
-    """The command that runs this program again with `flags`: the script named as it was invoked
-    (so it runs from the folder it was started in), every argument quoted for a POSIX shell."""
+    """The command that runs this program again with `flags`, as it was invoked, quoted for a POSIX
+    shell."""
     return " ".join(["python", *map(shlex.quote, [sys.argv[0], *flags])])
 
 
 def started_flags():
-    """The flags this run was started with, less --resume."""
     return [a for a in sys.argv[1:] if a != "--resume"]
 
 
 def resume_command(flags=None):
-    """The command that continues this run: the flags it was started with (or `flags`), plus
-    --resume; under torchrun or srun, the same launch."""
+    """The command that continues this run (the flags it started with, or `flags`, plus --resume)."""
     command = invoked(*(started_flags() if flags is None else flags), "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
@@ -81,9 +75,8 @@ def resume_command(flags=None):
 
 
 def start_over_command(folder, parent=None):
-    """The commands that drop the unfinished run in `folder` and start this one afresh; with
-    `parent` (the default checkpoints/, which the run made), that folder too where it is left
-    empty, so a start-over stopped before its first checkpoint leaves no empty folder."""
+    """The commands that drop the unfinished run in `folder` (and `parent` where left empty) and start
+    afresh."""
     drop = f"rm -rf {shlex.quote(str(folder))}"
     if parent is not None:
         drop += f" && rmdir {shlex.quote(str(parent))} 2>/dev/null"
@@ -91,8 +84,7 @@ def start_over_command(folder, parent=None):
 
 
 def chart_command(kind, results):
-    """The command that charts the `kind` runs in `results`: plot_results.py beside the program
-    that prints it, named as that program was invoked, so that it runs from the same folder."""
+    """The command that charts the `kind` runs in `results`, beside the program that prints it."""
     flags = "".join(f" --{k}" for k in kind.split("-") if k != "full")
     where = "" if str(results) == "results/runs.jsonl" else f" --results {shlex.quote(str(results))}"
     beside = Path(sys.argv[0]).with_name("plot_results.py")  # as the program was invoked
@@ -100,13 +92,12 @@ def chart_command(kind, results):
 
 
 def kind_flags(kind):
-    """The flags of a kind of run: "smoke-synthetic" -> " --smoke --synthetic"."""
     return "".join(f" --{k}" for k in kind.split("-") if k)
 
 
 # -- one-line errors for every value -------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (`<program>: error: ...`, exit 2), not a usage block."""
+    """argparse whose errors are one line (`<program>: error: ...`, exit 2)."""
 
     def error(self, message):
         fail(f"{message}; {invoked('--help')} lists the flags")
@@ -117,7 +108,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def whole_number(minimum, maximum=None):
-    """An argparse type: a whole number in [minimum, maximum], said in words when it is not."""
     def check(text):
         try:
             value = int(text)
@@ -132,15 +122,14 @@ def whole_number(minimum, maximum=None):
 
 
 def check_path(flag, path, folder=False):
-    """One line, exit 2, when `path` cannot be written (a file, or a folder with folder=True)."""
     problem = unwritable(path, folder=folder)
     if problem:
         fail(f"{flag} {path} cannot be written: {problem}")
 
 
 def collective_timeout():
-    """COLLECTIVE_TIMEOUT_S, or its default, as a timedelta; a value that is no number of seconds
-    over 0: one line, exit 2 (parse_args checks it before any process starts)."""
+    """COLLECTIVE_TIMEOUT_S (or its default) as a timedelta; one line, exit 2, if it is no positive
+    number."""
     given = os.environ.get("COLLECTIVE_TIMEOUT_S", str(COLLECTIVE_TIMEOUT_S))
     try:
         timeout = timedelta(seconds=float(given))
@@ -193,8 +182,7 @@ class Config:
 
 
 def check_versions(script):
-    """One line, exit 2, when an installed library is older than requirements.txt's lower bound
-    (its comment says why each bound is what it is)."""
+    """One line, exit 2, where a library is older than requirements.txt's lower bound."""
     import importlib.metadata
     import re
     from packaging.version import Version
@@ -262,11 +250,10 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
 
 def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True,
                train_images=None, micro_batches=1):
-    """The run's Config. `devices` given: the Fabric scripts' --devices and --num-nodes with that
-    default. `flags`: the script's own (pairs of a flag and add_argument's keywords); the flags
-    its technique brings come from lessons.csv; `loader=False`: the script has no loader
-    workers; `train_images`: {kind: training images}, to check the batch against;
-    `micro_batches`: the loader hands out each batch in that many parts (gradient accumulation)."""
+    """The run's Config. `devices`: the Fabric scripts' --devices and --num-nodes default; `flags`: the
+    script's own (flag, add_argument keywords); `loader=False`: no loader workers; `train_images`:
+    {kind: training images} to check the batch against; `micro_batches`: the parts each batch is
+    handed out in."""
     script = Path(sys.argv[0]).name
     check_versions(script)
     smoke_epochs = smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
@@ -302,12 +289,10 @@ def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(),
 
 
 def describe(script, row):
-    """--help's opening: the script's technique and change (lessons.csv)."""
     return f"{script}: {row['technique']}. Changes {row['change']}." if row else script
 
 
 def check_kind(given, kind, parser):
-    """Flags a smoke or synthetic run would ignore."""
     ignored = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
     if ignored and kind:
         parser.error(f"{' and '.join(ignored)}: a {kind} run reads no CIFAR-10 (its data are "
@@ -317,7 +302,6 @@ def check_kind(given, kind, parser):
 
 
 def check_data_dir(config):
-    """--data-dir: a folder CIFAR-10 is in, or one that can be made and written to."""
     if config.smoke or config.synthetic:
         return
     if Path(config.data_dir).exists() and not Path(config.data_dir).is_dir():
@@ -328,8 +312,8 @@ def check_data_dir(config):
 
 
 def run_name(script, kind, chosen, defaults):
-    """The name of a run's checkpoint folder and model file: the script, the kind of run, and
-    each setting that differs from the script's default (as -seed1 or -max-steps3)."""
+    """The name of a run's checkpoint folder and model file: the script, the kind, each setting that
+    differs from its default."""
     parts = [Path(script).stem, kind]
     parts += [spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS
               if key in defaults and chosen[key] != defaults[key]]
@@ -337,9 +321,8 @@ def run_name(script, kind, chosen, defaults):
 
 
 def place_processes(given, parser, devices, brought):
-    """The accelerator, the processes per machine (checked against what the launcher started)
-    and how they split into tensor- and data-parallel groups; with the defaults the run name
-    is measured against."""
+    """The accelerator, the processes per machine and their tensor- and data-parallel split, with the
+    defaults the run name is measured against."""
     import torch
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     accelerator = given.accelerator
@@ -376,7 +359,6 @@ def place_processes(given, parser, devices, brought):
 
 def settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, train_images,
                  micro_batches):
-    """Epochs, steps and the batch, with what a smoke run's batch is said to be."""
     default_epochs = 1 if given.synthetic else smoke_epochs if given.smoke else epochs
     max_steps = given.max_steps
     if given.synthetic and max_steps is None:
@@ -409,17 +391,13 @@ def settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, 
 
 # -- the launch: the processes that were started must be the run the flags ask for ---------------
 def tasks_per_node(text):
-    """SLURM_NTASKS_PER_NODE: "4", or "4(x2)" for 4 tasks on each of 2 nodes."""
     return int(text.split("(")[0])
 
 
 def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the processes that were started cannot be the run the flags ask
-    for: srun's or torchrun's counts differ from --devices / --num-nodes, several SLURM tasks
-    without srun, or several machines with no launcher to start them. Said by the first process
-    alone (the others leave quietly). Lightning detects the launchers as checked here: SLURM
-    first, where srun started the process; it ignores SLURM when its job name is "bash" or
-    "interactive" (`srun --pty bash`)."""
+    """One line, exit 2, where the started processes cannot be the run the flags ask for: srun's or
+    torchrun's counts differ, several SLURM tasks without srun, several machines with no launcher.
+    Lightning ignores SLURM when the job name is "bash" or "interactive"."""
     env, asked = os.environ, f"--devices {devices} --num-nodes {num_nodes}"
     first = int(env.get("SLURM_PROCID", env.get("RANK", "0"))) == 0  # says it for all of them
 

@@ -1,6 +1,7 @@
-"""Files that are whole or absent: written beside their final name and renamed into place,
-records appended in one write, a run's hold on its folder; a failed write says which file and why
-in one line (exit 1). Markdown tables and reports for the tools. Imports no torch."""
+"""Files that are whole or absent (written beside their name and renamed into place), records
+appended in one write, a run's hold on its folder; a failed write is one line (exit 1). Markdown
+tables and reports for the tools. Imports no torch.
+"""
 import errno
 import fcntl
 import hashlib
@@ -18,8 +19,8 @@ LOCK = ".lock"  # held by the run in progress in a checkpoint folder, and naming
 
 
 def unwritable(path, folder=False):
-    """Why `path` cannot be written (a file, or with folder=True a folder to write into), or
-    None; leaves nothing behind (a file it writes to try the folder is removed at once)."""
+    """Why `path` cannot be written (a file, or a folder with folder=True), or None; leaves nothing
+    behind."""
     path = Path(path).absolute()
     if path.is_dir() and not folder:
         return "it is a folder"
@@ -50,7 +51,6 @@ def unwritable(path, folder=False):
 
 
 def write_error(err, path):
-    """The system's reason a write failed: torch reports a full disk as a RuntimeError."""
     if isinstance(err, OSError) and err.strerror:
         return err.strerror
     try:
@@ -62,9 +62,8 @@ def write_error(err, path):
 
 
 def write_atomically(path, data, replace=True, then="nothing else was changed"):
-    """`data` to `path`: written beside it and renamed into place (replace=False: written to
-    `path` itself), so the file is whole or absent. A failed write: one line, exit 1, ending in
-    `then` (what was kept, and how to go on)."""
+    """`data` to `path`, written beside it and renamed into place (replace=False: to `path` itself). A
+    failed write: one line, exit 1, ending in `then` (what was kept, how to go on)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp") if replace else path
     try:
@@ -85,10 +84,8 @@ def write_atomically(path, data, replace=True, then="nothing else was changed"):
 
 
 def append_record(path, record, then=""):
-    """One JSON line, appended in one write under a lock, so the file stays valid JSONL whatever
-    else appends to it at the same time, or was left half-written there before (a last line
-    without its newline gets one first: the new record never joins it). A failed write is cut
-    off again, leaving the earlier records as they were; its line ends in `then`."""
+    """One JSON line appended in one write under a lock, so the file stays valid JSONL (after a half-
+    written last line too); a failed write is cut off again."""
     line = (json.dumps(record) + "\n").encode()
     then = f" {then}" if then else ""
     try:
@@ -114,8 +111,8 @@ def append_record(path, record, then=""):
 
 
 def read_records(path, skip=None, numbered=False):
-    """The JSON objects of a JSONL file (numbered: as (line number, record) pairs). A bad line
-    raises ValueError, or with `skip` given is passed to skip(line_number, why) and left out."""
+    """The JSON objects of a JSONL file; a bad line raises ValueError, or is passed to
+    skip(line_number, why)."""
     records = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -146,7 +143,6 @@ def remove(path):
 
 
 def remove_empty_folders(path, up_to):
-    """Remove `path`, then each parent of it below `up_to`, while it is an empty folder."""
     path, up_to = Path(path).absolute(), Path(up_to).absolute()
     while up_to in path.parents and path.is_dir() and not any(path.iterdir()):
         path.rmdir()
@@ -154,9 +150,8 @@ def remove_empty_folders(path, up_to):
 
 
 class FolderLock:
-    """A run's hold on its checkpoint folder: an flock on the folder's .lock, as append_record
-    locks a record file (the system lets go of it when the process ends, however it ends: a killed
-    run never blocks the next), with who holds it written in it for the run it refuses."""
+    """A run's hold on its folder: an flock on its .lock, which the system lets go of however the
+    process ends, naming the holder for the run it refuses."""
 
     def __init__(self, folder):
         self.path = Path(folder) / LOCK
@@ -186,16 +181,13 @@ class FolderLock:
 
 
 def markdown_table(header, rows):
-    """A Markdown table: a header of column names, then one line per row of cells."""
     return [f"| {' | '.join(header)} |", "|" + "---|" * len(header),
             *(f"| {' | '.join(str(cell) for cell in row)} |" for row in rows)]
 
 
 def fmt(value, pattern):
-    """A figure in `pattern`, or "-" where there is none."""
     return "-" if value is None else pattern.format(value)
 
 
 def write_report(path, text):
-    """A report written whole (never half a table): beside its name, then renamed into place."""
     write_atomically(path, (text.rstrip("\n") + "\n").encode(), then="the report is still printed above")

@@ -1,12 +1,9 @@
-"""RunKeeper: what a numbered script calls to keep its run, out of the lesson's way. It owns the
-run's state, each part in a class of its own that only it calls: the figures so far (Figures),
-the step timing (StepMeter) and the signals that stop the run (Stopping); and it makes its record.
+"""RunKeeper: what a numbered script calls to keep its run, out of the lesson's way: the figures so
+far (Figures), the step timing (StepMeter), the signals (Stopping) and the record.
 
-Stopping: Ctrl-C and SIGTERM (what SLURM sends first, KillWait seconds before it kills) stop a run
-in training at its next optimizer step (in every process at the same step), after saving a
-checkpoint of where it is; before training, during its last evaluation, or at a second signal, at
-once. The errors a user can act on (torch.compile without its compiler, a GPU out of memory, a
-process of the run lost) replace the traceback."""
+Ctrl-C and SIGTERM (SLURM's warning before it kills) stop a run in training at its next optimizer
+step, the same in every process, after a checkpoint of where it is; otherwise at once.
+"""
 import io
 import os
 import re
@@ -73,8 +70,7 @@ class RunKeeper:
         return self.figures.epochs_done
 
     def resume(self, model, optimizer, train_loader, scheduler=None):
-        """Says what the run is; with --resume (or when its launcher started it again) restores
-        model, optimizer, scheduler, random states and the figures so far from the newest
+        """Says what the run is; with --resume (or a launcher's restart) restores the newest
         checkpoint, mid-epoch too. Returns the first epoch."""
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler or scheduler_of(optimizer)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
@@ -98,8 +94,6 @@ class RunKeeper:
         return self.start_epoch
 
     def _restore(self, train_loader):
-        """--resume: the newest checkpoint into the run, mid-epoch too (its data order again, less
-        the batches done)."""
         progress, rng = together(self.fabric, lambda: self.checkpoints.load(
             self.model, self.optimizer, self.settings, self.scheduler))
         partial = progress.get("partial") or {}
@@ -114,9 +108,8 @@ class RunKeeper:
                    f"{self.start_epoch} of {self.config.epochs} epochs done{within}.")
 
     def batch_done(self, loss, batch_size):
-        """After each batch the loader hands out (each micro-batch in 12-14), without waiting for
-        the GPU (StepMeter); a stop asked for by a signal is carried out after an optimizer step,
-        at the same step in every process (processes.StopVote)."""
+        """After each batch the loader hands out, without waiting for the GPU; a stop asked for by a
+        signal is carried out after an optimizer step, at the same step in every process."""
         stepped = self.meter.step(loss, batch_size, self.optimizer.param_groups[0]["lr"], self.figures.epochs_done + 1)
         self.figures.count(stepped)
         code = self.vote.step(self.stopping.wanted) if stepped else 0
@@ -160,8 +153,8 @@ class RunKeeper:
         return seconds
 
     def finish(self, train_time_s, test_acc, model):
-        """The talk's closing lines, the finetuned model file, the run record; then the
-        checkpoints are removed (nothing left to resume), and a multi-process run ends (leave)."""
+        """The talk's closing lines, the model file, the run record; then the checkpoints go and a
+        multi-process run ends."""
         self.stopping.phase = "ending"
         totals = self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier,
                                    self.figures.training_s(train_time_s))
@@ -183,7 +176,6 @@ class RunKeeper:
             leave(0)  # the run is done: the last line of every script
 
     def _keep(self, state, ran, totals, images_per_s, memory, test_acc):
-        """Process 0: the model file and the run record, then the checkpoints go."""
         c, buffer, kept = self.config, io.BytesIO(), what_is_kept(self.config, self.checkpoints.folder)
         torch.save(state, buffer)
         write_atomically(c.save_model, buffer.getvalue(), then=kept)
@@ -195,10 +187,7 @@ class RunKeeper:
 
 
 class Figures:
-    """The run's figures so far, kept in each checkpoint and restored by --resume: the epochs done,
-    the batches the loader handed out (micro-batches in 12-14) and the optimizer steps, each
-    epoch's mean loss, validation accuracy and learning rate, the timing before a --resume, each
-    checkpoint's seconds and the peak memory before its writes."""
+    """The run's figures so far, kept in each checkpoint and restored by --resume."""
 
     def __init__(self):
         self.epochs_done, self.batches_loaded, self.optimizer_steps, self.resumed = 0, 0, 0, False
@@ -207,13 +196,12 @@ class Figures:
         self.peak_gb = 0.0
 
     def count(self, stepped):
-        """One more batch loaded, and whether it ended an optimizer step."""
         self.batches_loaded += 1
         self.optimizer_steps += stepped
 
     def training_s(self, elapsed_s):
-        """The talk's time, training with its per-epoch validation, out of `elapsed_s` of the loop:
-        less this process's checkpoint writes, which the talk never made (kept in checkpoint_s)."""
+        """The talk's time out of `elapsed_s` of the loop: less the checkpoint writes, which the talk
+        never made."""
         return elapsed_s - sum(self.checkpoint_s)
 
     def end_epoch(self, mean_loss, val_acc, lr):
@@ -223,7 +211,6 @@ class Figures:
         self.epochs_done += 1
 
     def progress(self, totals, partial=None):
-        """What a checkpoint keeps of them (with the totals so far, and where a stopped epoch was)."""
         return {"epochs_done": self.epochs_done, "batches_done": partial["batches"] if partial else 0,
                 "batches_loaded": self.batches_loaded, "optimizer_steps": self.optimizer_steps,
                 "train_loss": self.train_loss, "val_acc": self.val_acc, "lr": self.lr, **totals, "partial": partial}
@@ -238,10 +225,9 @@ class Figures:
 
 
 class Stopping:
-    """Ctrl-C and SIGTERM for a run, and the errors a user can act on. In training a signal is
-    noted (`wanted`) and carried out after the next optimizer step, with a checkpoint of where
-    the run is (`saved`); while the finished run writes its model and record, once they are
-    written (`finished`); before training, while it ends, or at a second signal: at once."""
+    """Ctrl-C and SIGTERM, and the errors a user can act on. In training a signal is carried out after
+    the next optimizer step, with a checkpoint (`saved`); while the finished run writes its model
+    and record, once they are written; otherwise, or at a second signal, at once."""
 
     def __init__(self, config, rank, world_size, checkpoints):
         self.config, self.rank, self.world_size, self.checkpoints = config, rank, world_size, checkpoints
@@ -258,7 +244,6 @@ class Stopping:
         self.stop_now(signum)
 
     def saved(self, code, seconds):
-        """Stopped in training, its checkpoint written: where it is kept and how to continue it."""
         name = signal.Signals(self.signal or code - 128).name
         self.stopped(f"interrupted ({name}); saved {self.checkpoints.last} in {seconds:.1f} s; "
                      f"continue with: {resume_command()}", code)
@@ -282,15 +267,13 @@ class Stopping:
         self.stopped(f"interrupted ({name}); {where}", EXIT_CODES[signum])
 
     def stopped(self, message, code, at_once=False):
-        """Process 0 says why the run stops in one line; every process lets go of the run's folder
-        and leaves with `code`."""
+        """Process 0 says why the run stops; every process lets go and leaves with `code`."""
         if self.rank == 0:
             print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
         leave(code, at_once)
 
     def on_uncaught(self, kind, err, traceback):
-        """torch.compile's errors, a GPU out of memory, a process of the run lost: one line (the
-        exit code explain() gives). Anything else: the usual traceback."""
+        """The errors explain() knows: one line and its exit code; anything else: the usual traceback."""
         said = explain(kind, err, self.config, self.rank, self.world_size, self.checkpoints.last)
         if said is None:
             return sys.__excepthook__(kind, err, traceback)
@@ -311,8 +294,8 @@ def what_is_kept(config, folder):
 
 
 def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited=0.0):
-    """The talk's closing lines (its time and memory, then ours: throughput, accuracy), and a
-    last one where the run had to share the CPU's cores (`waited` over BUSY_WAIT)."""
+    """The talk's closing lines, ours (throughput, accuracy) and one where the run had to share the
+    CPU."""
     busy = [f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another "
             "program was using the cores): its time and throughput are not comparable"]
     return "\n".join([f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB",
@@ -324,13 +307,11 @@ def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited=0.0):
 
 
 def resumed_epoch_line(first_batch, batches):
-    """Said after the epoch line of an epoch a --resume continued in its middle."""
     return (f"(Train acc. above: batches {first_batch}-{batches - 1} of this epoch, since the --resume; "
             "the loss and validation cover the whole epoch)")
 
 
 def last_lines(config, init):
-    """A finished run's last lines: what kind of run it was, cut short, where it is kept."""
     c = config
     return "\n".join([*([kind_line(c, init)] if c.kind else []),
                       *([f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 "
@@ -339,8 +320,7 @@ def last_lines(config, init):
 
 
 def opening_notes(config, init, model):
-    """Said before training: what a smoke or synthetic run is, and that a CPU has no CUDA graphs
-    where the script asks torch.compile for them (mode="reduce-overhead": 16)."""
+    """Said before training: what a smoke or synthetic run is, and that a CPU has no CUDA graphs (16)."""
     notes = [kind_line(config, init)] if config.kind else []
     if compile_mode(model) == "reduce-overhead" and config.accelerator != "cuda":
         notes.append(f"This {device_name(config.accelerator)} has no CUDA graphs: torch.compile(mode=\"reduce-"
@@ -350,7 +330,6 @@ def opening_notes(config, init, model):
 
 
 def kind_line(config, init):
-    """What a smoke or synthetic run is, said before its training and again at its end."""
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
     return (f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}. "
             f"Not the talk's experiment; its figures are not the talk's.{config.batch_note}")
@@ -358,8 +337,7 @@ def kind_line(config, init):
 
 def explain(kind, err, config, rank, world_size, last_checkpoint):
     """(one line, exit code) for an error a user can act on, or None: torch.compile without its
-    compiler (2) or failing for another reason (1, torch's own reason said), a GPU out of memory
-    (1), a process of the run lost (3)."""
+    compiler (2) or failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
     reason, lost = first_sentence(err) or kind.__name__, lost_peer(world_size, err)
     if kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
         inner = err
@@ -386,10 +364,9 @@ def explain(kind, err, config, rank, world_size, last_checkpoint):
 
 
 class StepMeter:
-    """Per batch, without waiting for the GPU: the epoch's loss sum, the first NaN or infinite
-    loss (read only at the print points and the epoch's end), and the timed steps. The warm-up
-    counts optimizer steps (each of micro_batches batches), and timing starts at one, so Adam's
-    first step, which makes its state, is never timed."""
+    """Per batch, without waiting for the GPU: the epoch's loss sum, its first bad loss (read only at
+    the print points and the epoch's end) and the timed steps. Timing starts after WARMUP_STEPS
+    optimizer steps, so Adam's first step is never timed."""
 
     def __init__(self, cuda, micro_batches=1):
         self.cuda, self.micro_batches = cuda, micro_batches
@@ -400,14 +377,12 @@ class StepMeter:
         self.epoch = None                 # the figures of the epoch under way
 
     def start(self, steps_per_epoch):
-        """The loop is about to start (RunKeeper.resume): its batches an epoch; returns time.time()."""
         self.steps_per_epoch, self.began = steps_per_epoch, time.perf_counter()
         return time.time()
 
     def step(self, loss, batch_size, lr, epoch_number):
-        """Add the loss to the epoch's sum and note a bad one, on the device; time every step
-        but the run's first WARMUP_STEPS optimizer steps and each epoch's first. Returns whether
-        this batch ended an optimizer step."""
+        """Add the loss and note a bad one, on the device; time every step but the warm-up and each
+        epoch's first. Returns whether this batch ended an optimizer step."""
         loss = loss.detach().float()
         if self.epoch is None:  # the epoch's first batch
             zero = torch.zeros((), device=loss.device)
@@ -437,9 +412,8 @@ class StepMeter:
         return stepped
 
     def totals(self, fabric, tensor_parallel, earlier, train_time_s):
-        """Timed training images of all processes (each image once: a tensor-parallel group
-        shares its batch), the slowest process's seconds, and the training time, each including
-        the part before a --resume (`earlier`); and this process's untimed first steps (warmup_s)."""
+        """Timed images of all processes (a tensor-parallel group's once), the slowest process's
+        seconds and the training time, each with the part before a --resume (`earlier`)."""
         images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
         if fabric and fabric.world_size > 1:
             images = fabric.all_reduce(images, reduce_op="sum") / tensor_parallel
@@ -449,9 +423,8 @@ class StepMeter:
                 "train_time_s": earlier["train_time_s"] + train_time_s}
 
     def partial(self, fabric=None):
-        """The epoch so far, for a checkpoint written mid-epoch (read back from the device). Of
-        several processes, one checkpoint for all: the mean of their loss sums, which gives the
-        epoch's mean loss as theirs do (it is linear in them)."""
+        """The epoch so far, for a mid-epoch checkpoint: of several processes, the mean of their loss
+        sums (the epoch's mean loss is linear in them)."""
         e = self.epoch
         if fabric and fabric.world_size > 1:
             return {**self.partial(), "loss": float(fabric.all_reduce(e["loss"].float().cpu(), reduce_op="mean"))}
@@ -459,14 +432,13 @@ class StepMeter:
                 **{k: float(e[k]) for k in ("loss", "index", "bad", "bad_loss")}}
 
     def restore(self, partial):
-        """The epoch so far as a checkpoint written mid-epoch kept it; its timing starts again."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
                       "batches": partial.get("batches", partial.get("steps")), "lr": partial["lr"],
                       "timer": None, "timed": 0}
 
     def end_epoch(self, epoch_number):
-        """The epoch's mean loss (a tensor on the CPU) and its learning rate; stops on a bad loss."""
+        """The epoch's mean loss (on the CPU) and its learning rate; stops on a bad loss."""
         self.stop_on_bad_loss(epoch_number)
         e, self.epoch = self.epoch, None
         return (e["loss"] / e["batches"]).cpu(), e["lr"]
@@ -484,10 +456,9 @@ class StepMeter:
 
 
 def scheduler_of(optimizer):
-    """The learning-rate scheduler made on `optimizer`, or None: found among what refers to the
-    optimizer, since a scheduler keeps the optimizer and not the other way round. So a script
-    need not hand its scheduler over (07's lesson has no line to spare for it) for the record to
-    name it and its checkpoints to keep it. Of a SequentialLR or ChainedScheduler, the outer one."""
+    """The learning-rate scheduler made on `optimizer`, or None, found among the optimizer's referrers
+    (a scheduler keeps its optimizer, not the reverse), so that 07's lesson needs no line to hand it
+    over. Of a SequentialLR or ChainedScheduler, the outer one."""
     import gc
     from torch.optim.lr_scheduler import LRScheduler
     inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper, or the optimizer itself

@@ -1,22 +1,13 @@
 """The run's processes and the devices they run on.
 
-What the processes of a run decide together, so that none is left waiting for another that has
-stopped. On gloo (CPUs) a process that exits closes its sockets and the others notice at once;
-on NCCL (GPUs) they do not: they wait in their next collective until its timeout (30 minutes by
-default), holding their GPUs. So:
+On NCCL (GPUs) the processes of a run do not notice one that stopped: they wait in their next
+collective until its timeout (30 minutes by default), holding their GPUs. So a step that may fail
+in one process is followed by an exchange of how it went (`together`), a stop asked for by a
+signal is voted on so that every process stops at the same step (`StopVote`), and once the run is
+set up the collectives' timeout is shortened (`bound_waits`) for whatever is left (a machine lost).
 
-- a step that may fail in one process (process 0's writes, each process's part of a
-  checkpoint) is followed by an exchange of how it went, and if it failed anywhere every process
-  stops there, with one line each and the failing process's exit code (`together`);
-- a stop asked for by a signal is voted on every few optimizer steps, and every process stops
-  at the same step (`StopVote`);
-- once the run is set up, the collectives' timeout is shortened (`bound_waits`), which bounds
-  whatever is left (a process killed outright, a machine lost).
-
-And the devices: who started the processes (the opening line), the CPU's cores shared among
-them, bfloat16 where the device computes it only by emulation (a GPU before Ampere, a CPU without
-oneDNN's bfloat16 kernels) replaced by the nearest precision that runs, said in one line, and
-each device's name and peak memory as the record gives them.
+The devices: the CPU's cores shared among the processes, bfloat16 replaced where the device only
+emulates it, each device's name and peak memory.
 """
 import os
 import platform
@@ -43,7 +34,6 @@ LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|Socket 
 
 # -- who started the processes -------------------------------------------------------------------
 def opening_line(fabric, rank, world_size):
-    """Which launcher started this process, the world size and this process's rank."""
     env = os.environ
     cluster = type(getattr(getattr(fabric, "strategy", None), "cluster_environment", None)).__name__
     if cluster == "SLURMEnvironment":
@@ -63,17 +53,14 @@ def opening_line(fabric, rank, world_size):
 
 
 def launcher(fabric):
-    """Which launcher started the run's processes (Lightning's name for it), or None."""
     environment = getattr(getattr(fabric, "strategy", None), "cluster_environment", None)
     return type(environment).__name__ if environment is not None else None
 
 
 # -- deciding together ---------------------------------------------------------------------------
 def together(fabric, action, quiet=False):
-    """Run `action` in this process, then learn whether it failed in any process of the run
-    (fail() raises Stopped); if so, every process leaves with the failing one's exit code, the
-    others saying in one line each that they stop too (quiet: they leave without a word, for
-    checks that the failing process's line explains whole). Returns what `action` returned."""
+    """`action` here, then whether it failed (raised Stopped) in any process: if so every process
+    leaves with the failing one's code, the others saying they stop too (quiet: without a word)."""
     code, result = 0, None
     try:
         result = action()
@@ -94,8 +81,7 @@ def together(fabric, action, quiet=False):
 
 
 def gather(fabric, number):
-    """`number` from every process of the run, in rank order. (torch.distributed directly:
-    Fabric's all_gather goes through a function torch deprecates, and each process warns.)"""
+    """`number` from every process, in rank order (Fabric's all_gather warns of a deprecation)."""
     import torch.distributed as dist
     if fabric is None or fabric.world_size == 1:
         return [number]
@@ -106,15 +92,12 @@ def gather(fabric, number):
 
 
 def lost_peer(world_size, err):
-    """The match if `err` says another process of a multi-process run is gone, else None."""
     return world_size > 1 and isinstance(err, RuntimeError) and LOST_PEER.search(str(err))
 
 
 class StopVote:
-    """Every VOTE_EVERY optimizer steps each process of a multi-process run puts in whether it
-    was asked to stop (a signal's exit code, or 0), in an all-reduce it does not wait for; the
-    result is read one round later, when it has long arrived, so no process waits for the GPU,
-    and all of them stop at the same step whichever of them got the signal."""
+    """Every VOTE_EVERY optimizer steps each process puts its stop code (or 0) in an all-reduce it
+    reads a round later, so no process waits for the GPU and all stop at the same step."""
 
     def __init__(self, fabric):
         self.fabric, self.steps, self.pending = fabric, 0, None
@@ -151,8 +134,7 @@ class _Vote:
 
 
 def bound_waits(fabric):
-    """Shorten the collectives' timeout of a multi-process run, now that its slow start (a
-    download on process 0 while the others wait) is over."""
+    """Shorten the collectives' timeout, now that the slow start (process 0's download) is over."""
     import torch.distributed as dist
     if fabric is None or fabric.world_size == 1 or not dist.is_initialized():
         return
@@ -171,12 +153,9 @@ def bound_waits(fabric):
 
 # -- the devices ---------------------------------------------------------------------------------
 def share_cpu_threads(processes_here):
-    """On a CPU, give each of the run's processes on this machine its share of the cores (as
-    torchrun's OMP_NUM_THREADS=1 does for several processes a node): PyTorch gives every
-    process all of them, and two processes that each run as many threads as there are cores
-    wait on each other (10 --smoke on 2 cores: 31.8 s with the default, 19.1 s with one thread
-    a process; 2026-12-02); so do GPU processes that each step Adam on the CPU (15 on several
-    GPUs). An OMP_NUM_THREADS the user set is kept."""
+    """Each process on this machine its share of the cores (as torchrun's OMP_NUM_THREADS=1), unless
+    the user set OMP_NUM_THREADS: processes that each take every core wait on each other (10 --smoke
+    on 2 cores: 31.8 s, 19.1 s with one thread a process; 2026-12-02)."""
     if processes_here > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_here))
 
@@ -190,12 +169,9 @@ BUSY_WAIT = 0.25
 
 
 def cpu_from():
-    """(seconds run, seconds waited for a core) of the calling thread so far, from Linux's
-    /proc/thread-self/schedstat; None where the kernel does not say (not Linux). The thread is
-    the one that computes (a script's main thread): the run's own helper threads (gloo's, the
-    loader's) would count its own work as waiting when its processes fill the cores, which a
-    multi-process run on a CPU does by design (07 --smoke's 2 processes on 2 idle cores: 27% over
-    all threads)."""
+    """(seconds run, seconds waited for a core) of the calling thread, the one that computes
+    (/proc/thread-self/schedstat; None off Linux). Over all threads the run's own helpers would
+    count as waiting (07 --smoke's 2 processes on 2 idle cores: 27%)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             ran, waited = f.read().split()[:2]
@@ -205,8 +181,7 @@ def cpu_from():
 
 
 def waiting_share(since):
-    """The share of the time the calling thread was ready to run, since cpu_from() gave `since`,
-    that it spent waiting for a core; -1 where the kernel does not say."""
+    """The share of its ready time since `since` the thread waited for a core; -1 if unknown."""
     now = cpu_from()
     if now is None or since is None:
         return -1.0
@@ -215,13 +190,9 @@ def waiting_share(since):
 
 
 def native_bf16(device_type):
-    """Whether the device computes bfloat16 matrix products in hardware: a GPU from Ampere on;
-    a CPU where oneDNN has bfloat16 kernels (AVX512, with AVX512-BF16 or AMX to be fast). On a
-    CPU with AVX2 alone PyTorch emulates bfloat16: a 512x512 product ran 110x slower than in
-    float32 on a 2-core AMD EPYC (1.2 against 132.8 GFLOP/s). oneDNN's own answer is asked, so
-    ONEDNN_MAX_CPU_ISA=AVX2 (which leaves oneDNN only its AVX2 kernels) rehearses such a CPU on
-    any other; ATen's ATEN_CPU_CAPABILITY changes nothing here, as it leaves oneDNN's kernels
-    alone (tests/test_precision.py measures both)."""
+    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on, a CPU where oneDNN
+    has bfloat16 kernels. With AVX2 alone a 512x512 product ran 110x slower than in float32 (2-core
+    AMD EPYC). oneDNN is asked, so ONEDNN_MAX_CPU_ISA=AVX2 rehearses such a CPU on any other."""
     if device_type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
@@ -239,10 +210,8 @@ FALLBACKS = {("cuda", "bf16-mixed", "single-device"): "16-mixed", ("cuda", "bf16
 
 
 def fall_back_from_bf16(fabric, device=None):
-    """Where the run's device (`device`: the kind, else Fabric's) has no native bfloat16, the
-    precision FALLBACKS gives instead, set through the strategy's public `precision` setter
-    before the model is set up (the lesson's line keeps the talk's precision="bf16-mixed");
-    said in one line. Returns what runs."""
+    """Where the device has no native bfloat16, FALLBACKS' precision instead, set before the model
+    is set up (the lesson keeps precision="bf16-mixed") and said in one line. Returns what runs."""
     from lightning.fabric.plugins import MixedPrecision, Precision
     from lightning.fabric.strategies import ModelParallelStrategy
     asked, device = fabric.strategy.precision.precision, device or fabric.device.type
@@ -272,8 +241,7 @@ def fallback_line(device, asked, instead, sharded):
 
 
 def device_name(accelerator):
-    """The GPU's name, or the CPU's model, cores and the bfloat16 matrix units it has (what makes
-    bf16 fast or slow on it), and oneDNN's cap where ONEDNN_MAX_CPU_ISA sets one."""
+    """The GPU's name, or the CPU's model, cores, bfloat16 units and oneDNN's cap if one is set."""
     if accelerator == "cuda":
         return torch.cuda.get_device_name()
     try:
@@ -290,8 +258,7 @@ def device_name(accelerator):
 
 
 def peak_memory_gb(accelerator):
-    """GPU: torch.cuda.max_memory_reserved (the talk's figure); CPU: the process's peak resident
-    memory since the start or the last forget_cpu_peak (Linux's VmHWM, in kilobytes)."""
+    """GPU: max_memory_reserved (the talk's figure); CPU: peak resident memory (VmHWM)."""
     if accelerator == "cuda":
         return torch.cuda.max_memory_reserved() / 1e9
     try:
@@ -302,8 +269,7 @@ def peak_memory_gb(accelerator):
 
 
 def forget_cpu_peak():
-    """Linux: the peak resident memory restarts from what the process holds now (writing 5 to
-    clear_refs), so that what a checkpoint write held briefly does not count as training's."""
+    """The peak resident memory restarts from now (Linux), so a checkpoint write is not training's."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -312,8 +278,7 @@ def forget_cpu_peak():
 
 
 def fsdp_units(model):
-    """(FSDP2 units, units whose shards are kept in CPU memory): the modules fully_shard made,
-    and the offload policy each carries."""
+    """(FSDP2 units, units whose shards are kept in CPU memory)."""
     try:
         from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
     except ImportError:

@@ -1,8 +1,7 @@
-"""The run record: the one JSON line a finished run appends to --results. Its fields and their types
-are Record's, here and nowhere else; docs/flags-records-exit-codes.md says what each means (a test
-holds the two together). A record is built here (build), and every tool reads records through
-read_runs, which brings one written by an older version up to this one (upgrade). Imports no torch
-until a record is built."""
+"""The run record, the one JSON line a finished run appends to --results: its fields and types
+(Record), built here (build) and read by every tool through read_runs, which brings an older
+record up to this version (upgrade). docs/flags-records-exit-codes.md says what each field means.
+"""
 import importlib.metadata
 import platform
 import resource
@@ -97,8 +96,8 @@ REQUIRED = [f for f in FIELDS if f in Record.__required_keys__]
 
 
 def upgrade(record):
-    """A record as this version writes it: an older one's renamed fields under their new names,
-    and None for each field it lacks (a record cut by hand, or older than the field)."""
+    """A record as this version writes it: renamed fields under their new names, None for each it
+    lacks."""
     old = dict(record)
     if "steps" in old:  # version 1 counted the batches loaded as "steps"
         old["batches_loaded"] = old.pop("steps")
@@ -111,14 +110,11 @@ def upgrade(record):
 
 
 def read_runs(path, skip=None, numbered=False):
-    """The run records in a JSONL file, each brought up to this version (a bad line, `numbered`:
-    as files.read_records)."""
     return [(n, upgrade(r)) if numbered else upgrade(r) for n, r in read_records(path, skip, numbered=True)]
 
 
 def record_of(model_file, results):
-    """The newest run record in `results` that saved the model now in `model_file` (the same
-    path and, where the record has it, the same contents), or None."""
+    """The newest record in `results` that saved the model now in `model_file`, or None."""
     try:
         records = read_runs(results)
         digest = sha256(Path(model_file).read_bytes())
@@ -130,9 +126,8 @@ def record_of(model_file, results):
 
 
 def build(config, fabric, ran, figures, totals, images_per_s, memory, test_acc, model_sha256):
-    """The record of a finished run: what ran (its Config, `ran`: what the keeper saw of the
-    model, optimizer and processes) and what it measured (`figures`, `totals`, memory). Imports torch
-    here, not above: the tools that only read records never load it."""
+    """The record of a finished run, from its Config, `ran` (what the keeper saw) and its figures.
+    Imports torch here: the tools that only read records never load it."""
     import torch
     from run_keeping.processes import device_name, launcher
     c = config
@@ -165,9 +160,7 @@ def build(config, fabric, ran, figures, totals, images_per_s, memory, test_acc, 
 
 
 def techniques(model, optimizer, fabric, scheduler=None):
-    """What the memory arithmetic and the bare loop need that the precision and strategy do not
-    say: the optimizer and its kernel, whether blocks are checkpointed, the parallelize function,
-    the FSDP2 units and how many keep their shards in CPU memory (15's offload), the schedule."""
+    """What the memory arithmetic and the bare loop need beyond precision and strategy."""
     from run_keeping.processes import fsdp_units
     parallelize = getattr(getattr(fabric, "strategy", None), "_parallelize_fn", None)
     units, offloaded = fsdp_units(model)
@@ -180,8 +173,7 @@ def techniques(model, optimizer, fabric, scheduler=None):
 
 
 def schedule_name(scheduler):
-    """The schedule that ran, as its class names it ("none" without one): ExponentialLR,
-    CosineAnnealingLR, or 09's LambdaLR(warmup_then_cosine)."""
+    """The schedule that ran, as its class names it ("none" without one)."""
     if scheduler is None:
         return "none"
     name = type(scheduler).__name__
@@ -192,10 +184,8 @@ def schedule_name(scheduler):
 
 
 def optimizer_kernel(optimizer):
-    """How torch.optim stepped: "fused", "foreach" or "for-loop", as its own default chooses
-    when the script set neither (torch.optim.optimizer._default_to_fused_or_foreach: foreach
-    where every parameter is a plain tensor on a GPU, a loop on a CPU and for DTensor shards in
-    CPU memory)."""
+    """How torch.optim stepped ("fused", "foreach" or "for-loop"), by its own default where the script
+    set neither."""
     from torch.optim.optimizer import _default_to_fused_or_foreach
     defaults = optimizer.defaults
     if defaults.get("fused"):
@@ -208,9 +198,8 @@ def optimizer_kernel(optimizer):
 
 
 def compile_mode(model):
-    """torch.compile's mode for the model ("default" where none was given), or None where the
-    script did not compile it: Lightning keeps what torch.compile was called with on the module
-    (_compile_kwargs), inside Fabric's wrapper too."""
+    """torch.compile's mode ("default" where none was given), or None: Lightning keeps the call's
+    keywords on the module (_compile_kwargs)."""
     from torch._dynamo.eval_frame import OptimizedModule
     for module in (model, getattr(model, "_forward_module", None)):
         if isinstance(module, OptimizedModule):
@@ -219,7 +208,6 @@ def compile_mode(model):
 
 
 def compiled():
-    """Whether torch.compile compiled anything in this process."""
     dynamo = sys.modules.get("torch._dynamo.utils")
     return bool(dynamo and dynamo.counters["stats"]["unique_graphs"])
 

@@ -1,9 +1,7 @@
-"""The figures of the README and docs/, made from the project's own records in reference/ (and
-lessons.csv, the smoke weights' provenance, and the scripts themselves for their changed
-lines). Each table or passage between `<!-- figures: NAME -->` and `<!-- end of figures -->` is
-written by the function of that NAME below; the charts in reference/ are drawn from the same
-records. A user's runs never write reference/: its records are added by hand, from runs made
-for the purpose (each block says which command made them).
+"""The figures of the README and docs/, made from the project's own records in reference/. Each
+passage between `<!-- figures: NAME -->` and `<!-- end of figures -->` is written by the function
+NAME below; the charts in reference/ are drawn from the same records. A user's runs never write
+reference/: its records are added by hand, from runs made for the purpose.
 
     python tools/figures.py            # rewrite every block
     python tools/figures.py --charts   # and redraw the charts in reference/
@@ -30,7 +28,6 @@ BLOCK = re.compile(r"(<!-- figures: ([\w-]+) -->\n)(.*?)(<!-- end of figures -->
 
 
 def when(records):
-    """The machine and the dates of a set of records, as a caption says them."""
     machines = sorted({r["device_name"].replace("CPU ", "").split(" (")[0]
                        + (f" ({r['device_name'].split('(')[-1]}" if "(" in r["device_name"] else "") for r in records})
     dates = sorted({r["timestamp"][:10] for r in records})
@@ -43,7 +40,6 @@ def smoke_runs():
 
 
 def seeds_of(script, records):
-    """{seed: record} of a script's smoke runs (the latest of each seed)."""
     return {r["seed"]: r for r in records if r["script"] == script}
 
 
@@ -66,8 +62,7 @@ def memory_rows(table, vit=None, runs="memory-runs.jsonl"):
 
 # -- the blocks ----------------------------------------------------------------------------------
 def published(row):
-    """A script's published figures (minutes, GB, accuracy): the talk's, or the sequel's in italics
-    where its step matches (14's in brackets: the sequel's step had no activation checkpointing)."""
+    """A script's published figures: the talk's, or the sequel's in italics where its step matches."""
     keys = ("time_min", "memory_gb", "test_acc_pct")
     if row["time_min"]:
         return [f"{row[k]:.2f}" for k in keys]
@@ -101,7 +96,6 @@ def scripts():
 
 
 def smoke_table(numbers, caption_scripts):
-    """The smoke runs of some scripts: each seed's test accuracy, the mean and the training time."""
     reference = lessons()
     records, names = smoke_runs(), {s[:2]: s for s in reference}
     chosen = [r for r in records if r["script"][:2] in numbers]
@@ -158,13 +152,11 @@ def memory_strategies():
 
 
 def throughput_smoke():
-    """docs/benchmarks.md: benchmark.py --smoke's report as it wrote it."""
     return (REFERENCE / "benchmark-smoke.md").read_text().strip()
 
 
 def throughput_rows(records, flops):
-    """benchmark.py's rows made again from a run's records, in their order (a configuration's
-    rounds, each against the 01 of its round, as the run measured them)."""
+    """benchmark.py's rows made again from a run's records, in their order."""
     from benchmarks import throughput
     measured = throughput.new_measurement(dict.fromkeys((r["script"], r["batch_size"]) for r in records))
     for record in records:
@@ -173,8 +165,7 @@ def throughput_rows(records, flops):
 
 
 def throughput_smoke_repeats():
-    """docs/benchmarks.md: the ranking of benchmark.py --smoke's runs one after another (the three
-    in reference/benchmark-smoke-runs/, then the one above), each made again from its records."""
+    """docs/benchmarks.md: the ranking of benchmark.py --smoke's runs one after another."""
     from benchmarks import throughput
     runs = [*sorted((REFERENCE / "benchmark-smoke-runs").glob("*.jsonl"), key=lambda p: int(p.stem)),
             REFERENCE / "benchmark-smoke.jsonl"]
@@ -189,9 +180,7 @@ def throughput_smoke_repeats():
 
 
 def run_machine(r):
-    """The commit and the machine a run of the tests ran on, and how fast it was then where that was
-    measured: how long a fresh interpreter took to import torch, torchvision and Lightning, as every
-    test process does."""
+    """The commit and machine a run of the tests ran on, and how long a process's imports took then."""
     machine = when([r]).rsplit(", ", 1)[0].replace(")", f", {r['capability']} alone)" if r.get("capability") else ")")
     speed = f", where a process's imports took {r['import_s']:.1f} s then" if r.get("import_s") else ""
     capped = ", oneDNN capped at AVX2: no native bfloat16" if r.get("onednn_max_cpu_isa") else ""
@@ -199,7 +188,6 @@ def run_machine(r):
 
 
 def suite_time():
-    """docs/tests.md: the newest run of the whole suite and of its quick tier, in one line."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
     plain = [r for r in runs if r.get("install") != "venv"]
     full, quick = ([r for r in plain if r["tier"] == tier][-1] for tier in ("all", "quick"))
@@ -215,7 +203,6 @@ def suite_time():
 
 
 def warm_start():
-    """docs/tests.md: the whole suite with a fresh interpreter for every script, then forked."""
     runs = {r["commit"]: r for r in read_records(REFERENCE / "test-suite-runs.jsonl") if r["tier"] == "all"}
     fresh, forked = runs["360724a"], runs["7b8d8d0"]
     return (f"on {when([fresh]).rsplit(', ', 1)[0]}, the whole suite took {fresh['seconds'] / 60:.1f} min with a "
@@ -225,7 +212,6 @@ def warm_start():
 
 
 def smoke_weights():
-    """docs/smoke.md: the suite's weights, and what making them again gave."""
     committed = json.loads((ROOT / "smoke_weights" / "smoke-vit-printed-digits.json").read_text())
     again = json.loads((REFERENCE / "smoke-weights-made-again.json").read_text())
     return (f"The suite's weights read {committed['pretext_test_accuracy'] * 100:.1f}% of 2,000 unseen printed digits. "
@@ -237,7 +223,6 @@ def smoke_weights():
 
 
 def save_time():
-    """docs/resume-save-load.md: how long a checkpoint of the talk's size takes to write."""
     records = read_runs(REFERENCE / "save-time-runs.jsonl")
     cells = [[VITS[r["model"]], f"{r['parameters_per_process'][0] / 1e6:.0f} M",
               f"{12 * r['parameters_per_process'][0] / 1e9:.2f}", ", ".join(f"{s:.1f}" for s in r["checkpoint_s"])]
@@ -249,7 +234,6 @@ def save_time():
 
 
 def epochs():
-    """docs/flags-records-exit-codes.md: the epochs each script trains, in full and --smoke."""
     from run_keeping.config import SMOKE_EPOCHS
     by = {}
     for script, row in lessons().items():
@@ -261,9 +245,8 @@ def epochs():
 
 
 def no_bf16_smoke():
-    """docs/smoke.md: the bf16 lessons' smoke runs on a CPU rehearsed without native bfloat16, each
-    beside 03's, and what bfloat16 costs there against float32; then the same on a CPU that has
-    no bfloat16 units (AVX2 alone)."""
+    """docs/smoke.md: the bf16 lessons' smoke runs without native bfloat16 (rehearsed, then on an
+    AVX2-only CPU), each beside 03's."""
     probes = read_records(REFERENCE / "bf16-probe.jsonl")
     capped = next(p for p in probes if p["onednn_max_cpu_isa"])
     free = next(p for p in probes if not p["onednn_max_cpu_isa"] and not p["aten_cpu_capability"] and p["native"])
@@ -286,8 +269,6 @@ def no_bf16_smoke():
 
 
 def no_bf16_table(records, native_records):
-    """Each run beside 03's: what it asked, what ran, its seconds and accuracy (and, where given,
-    the same script's against 03's where bfloat16 is native)."""
     three = next(r for r in records if r["script"].startswith("03"))
     native = {r["script"]: r for r in native_records}
     base = native.get(three["script"])
@@ -302,15 +283,14 @@ def no_bf16_table(records, native_records):
 
 
 def h200_rows():
-    """The rows of the two checks on the H200 (their records in reference/), with MFU."""
     from benchmarks import peaks
     checks = [read_runs(REFERENCE / f"gpu-check-h200-{n}.jsonl") for n in (1, 2)]
     return checks, [throughput_rows(records, peaks.flops_per_image(smoke=False)) for records in checks]
 
 
 def gpu_check_h200():
-    """README: what gpu_check.sh measured on the H200, each script against the 01 run of its own
-    round, beside the talk's figures (marked with its GPUs where our run had fewer processes)."""
+    """README: what gpu_check.sh measured on the H200 beside the talk's figures (with its GPUs where
+    ours had fewer processes)."""
     from benchmarks.throughput import ratio
     reference, cells = lessons(), []
     checks, rows = h200_rows()
@@ -338,8 +318,8 @@ def gpu_check_h200():
 
 
 def gpu_check_findings():
-    """docs/benchmarks.md: what the first checks on the H200 took and showed, from their records
-    and reports: their minutes, a run's own cost, 02's first compile, MFU by precision and batch."""
+    """docs/benchmarks.md: what the checks on the H200 took and showed: minutes, a run's own cost, 02's
+    first compile, MFU."""
     checks, rows = h200_rows()
     used = [re.search(r"Time: ([\d.]+) of the (\d+) min", (REFERENCE / f"gpu-check-h200-{n}.md").read_text()).groups()
             for n in (1, 2)]
@@ -373,8 +353,6 @@ def gpu_check_findings():
 
 
 def gpu_check_plan():
-    """docs/benchmarks.md: gpu_check.sh's stages, the lessons each measures, and the plain defaults
-    a run is planned at before one of its kind has run."""
     from benchmarks import gpu_check
     cells = [[f"{number}. {name}", title, " ".join(s[:2] for s in gpu_check.stage_scripts(name)) or "-",
               settings.get("rounds", "-")]
@@ -385,7 +363,6 @@ def gpu_check_plan():
 
 
 def rewritten(text):
-    """The page with every block made again, and the names of the blocks it has."""
     names = []
 
     def make(match):
@@ -398,7 +375,6 @@ def rewritten(text):
 
 
 def differing():
-    """[(page, block names)] of the pages whose blocks differ from what their records make."""
     found = []
     for page in PAGES:
         text = page.read_text()
@@ -411,7 +387,6 @@ def differing():
 
 
 def charts():
-    """The charts in reference/, from the same records."""
     import plot_results
     from benchmarks import memory
     records = smoke_runs()
