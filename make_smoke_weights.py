@@ -1,15 +1,12 @@
 """Pretrained weights for the --smoke ViT: the offline demo's stand-in for ImageNet.
 
-The talk finetunes a ViT that was pretrained on a large generic data set (ImageNet) on a small
-specific one (CIFAR-10). The offline demo does the same at its own scale: this script pretrains
-the 3-layer smoke ViT on *printed* digits rendered from the fonts that matplotlib ships (random
-font, size, position, slant, rotation and stroke width, then an elastic wobble), each reduced to
-the 8x8 grid of 17 grey levels in which scikit-learn's *handwritten* digits come (the UCI set: 32x32 bitmaps counted in
-4x4 blocks). `--smoke` then finetunes these weights on the handwritten digits, which this script
-never sees. The weights the suite uses are smoke_weights/smoke-vit-printed-digits.pt (a state dict,
-1.7 MB), with their provenance beside them (.json: data, steps, seed, versions, pretext accuracy,
-sha256, and how long this script took where). This script makes them again, into results/ (the
-repository's own copy is never written), and says whether the tensors are the same.
+The talk finetunes a ViT pretrained on a large generic data set (ImageNet) on a small specific one
+(CIFAR-10). The demo does the same at its scale: this script pretrains the 3-layer smoke ViT on
+*printed* digits rendered from matplotlib's fonts (random font, size, position, slant, rotation,
+stroke and an elastic wobble), each reduced to the 8x8 grid of 17 grey levels of scikit-learn's
+*handwritten* digits, on which `--smoke` then finetunes. The suite's weights are
+smoke_weights/smoke-vit-printed-digits.pt, with their provenance (.json) beside them. This script
+makes them again into results/ (never the repository's copy) and says whether the tensors match.
 
     python make_smoke_weights.py            # results/smoke-vit-printed-digits.pt and .json
 """
@@ -21,12 +18,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import run_keeping  # noqa: F401  first: a Ctrl-C while the libraries load ends in one line
-from run_keeping.config import Parser, check_path, whole_number
-from run_keeping.processes import device_name
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from run_keeping.config import Parser, check_path, whole_number
+from run_keeping.processes import device_name
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"
@@ -55,9 +52,8 @@ def digit_fonts():
 
 
 def render_digits(count, seed, fonts=None):
-    """`count` printed digits as (N x 8 x 8 uint8 in 0..16, N labels): each drawn in a random
-    font and stroke, slanted and rotated, scaled to a random height and placed at a random spot
-    of a 32x32 bitmap, wobbled, thresholded, then counted in 4x4 blocks as the UCI digits were."""
+    """`count` printed digits as (N x 8 x 8 uint8 in 0..16, N labels), drawn on a 32x32 bitmap,
+    wobbled, thresholded and counted in 4x4 blocks as the UCI digits were."""
     from PIL import Image, ImageDraw, ImageFont
     fonts = fonts or digit_fonts()
     rng = np.random.RandomState(seed)
@@ -99,8 +95,8 @@ def elastic(image, rng, alpha=ELASTIC_ALPHA, sigma=ELASTIC_SIGMA):
 
 
 def as_smoke_images(grids):
-    """8x8 grids of 0..16 to the --smoke model's input, exactly as local_utilities.digits_datasets
-    prepares scikit-learn's digits: /16, bilinear to 32x32, three channels."""
+    """8x8 grids of 0..16 to the --smoke model's input, as local_utilities.digits_datasets prepares
+    scikit-learn's digits."""
     from local_utilities import SMOKE_IMAGE_SIZE
     images = torch.as_tensor(grids, dtype=torch.float32).unsqueeze(1) / 16.0
     images = F.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)

@@ -5,12 +5,10 @@
 # and slurmd there, and stops them and removes the folder again.
 #   bash tools/local_slurm.sh start DIR      # then: export SLURM_CONF=DIR/slurm.conf
 #   bash tools/local_slurm.sh stop DIR       # cancels the jobs, stops the daemons, removes DIR
-#   bash tools/local_slurm.sh job CPUS       # the README's job script as one node with CPUS
-#                                            # tasks runs it: --smoke, no GPUs
-#   bash tools/local_slurm.sh check          # start, run that job with sbatch, check, stop
+#   bash tools/local_slurm.sh job CPUS       # the README's job script for one node of CPUS
+#                                            # tasks: --smoke, no GPUs (tests/test_slurm.py)
 # Needs root (the daemons run as root, as slurm.conf's SlurmUser says) and Debian's package
-# sources. Exit codes: 0 done; 1 the job failed; 5 this machine cannot run SLURM's daemons (one
-# line says why).
+# sources. Exit codes: 0 done; 5 this machine cannot run SLURM's daemons (one line says why).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cannot() { echo "local_slurm.sh: cannot run SLURM here: $*" >&2; exit 5; }
@@ -106,34 +104,9 @@ job() {
     -e "s/--devices [0-9]* --num-nodes [0-9]*/--devices $cpus --num-nodes 1 --smoke/"
 }
 
-check() {
-  dir=$(mktemp -d /tmp/local-slurm.XXXXXX)
-  work=$(mktemp -d /tmp/local-slurm-job.XXXXXX)
-  trap 'stop "$dir"; rm -rf "$work"' EXIT
-  start "$dir" >/dev/null
-  export SLURM_CONF=$dir/slurm.conf
-  ln -s "$root"/[01][0-9]_*.py "$work"/
-  job 2 > "$work/job.sh"
-  local id state
-  id=$(cd "$work" && sbatch --parsable --output="$work/job.out" job.sh)
-  for _ in $(seq 1 600); do
-    state=$(scontrol show job "$id" 2>/dev/null | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-    case "$state" in COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY) break ;; esac
-    sleep 1
-  done
-  cat "$work/job.out"
-  if [ "$state" != COMPLETED ] || [ ! -s "$work/results/runs.jsonl" ]; then
-    echo "local_slurm.sh: the job ended $state" >&2
-    exit 1
-  fi
-  echo "local_slurm.sh: the README's job ran on SLURM $(sinfo --version | cut -d' ' -f2): $state," \
-       "its record in results/runs.jsonl"
-}
-
 case "${1:-}" in
   start) start "${2:?start DIR}" ;;
   stop) stop "${2:?stop DIR}" ;;
   job) job "${2:?job CPUS}" ;;
-  check) check ;;
-  *) echo "local_slurm.sh: error: start DIR, stop DIR, job CPUS or check" >&2; exit 2 ;;
+  *) echo "local_slurm.sh: error: start DIR, stop DIR or job CPUS" >&2; exit 2 ;;
 esac

@@ -1,15 +1,10 @@
 """Before a long check on a new machine: is every module the suite's scripts and tools import
-there? Imports each (torch and Lightning take seconds) and, for every one that fails, names the
-module that is missing (watermark, say, lacks IPython); the installed packages' own requirements
-are walked too, so that every missing package of every layer found here is named at once. Then
-one line, exit 4 (gpu_check.sh documents the code), with the commands that install them: on a
-machine with internet, pip downloads them with everything they need, as wheels for this machine's
-Python and platform; carried here, pip installs them from that folder without the internet.
-Exit 0 if nothing is missing.
+there? Imports each and names every missing package at once (the installed packages' own
+requirements walked too: watermark, say, lacks IPython), then one line, exit 4, with the commands
+that install them, also on a machine without internet (pip download there, carried here). Uses
+nothing but Python's own library until it imports the suite's.
 
-    python tools/preflight.py                # --count-gpus: then print how many GPUs torch sees
-
-Uses nothing but Python's own library until it imports the suite's.
+    python tools/preflight.py
 """
 import ast
 import importlib
@@ -27,8 +22,7 @@ WHEELS = {"IPython": "ipython", "sklearn": "scikit-learn", "PIL": "pillow", "yam
 
 
 def imported_modules(root=ROOT):
-    """The top-level modules the suite's own Python files import (not its tests), less Python's
-    own library and the suite's modules."""
+    """The top-level modules the suite's own files import, less Python's library and the suite's."""
     files = [*root.glob("*.py"), *root.glob("run_keeping/*.py"), *root.glob("benchmarks/*.py")]
     ours = {p.stem for p in files} | {"run_keeping", "benchmarks"}
     found = set()
@@ -57,8 +51,7 @@ def canonical(name):
 
 
 def needed(requirement):
-    """A Requires-Dist line's package, or None where its markers leave it out here (an extra, an
-    other platform or Python; without the packaging library, any line with markers)."""
+    """A Requires-Dist line's package, or None where its markers leave it out here."""
     name = re.match(r"[A-Za-z0-9._-]+", requirement)[0]
     if ";" not in requirement:
         return name
@@ -71,9 +64,7 @@ def needed(requirement):
 
 
 def missing_requirements(wheels):
-    """The packages that the installed ones among `wheels` require (their metadata's Requires-Dist,
-    as this machine's markers keep them, recursively) and that are not installed: the layers an
-    import stops at one at a time."""
+    """The packages the installed ones among `wheels` require, recursively, that are not installed."""
     seen, todo, absent = set(), list(wheels), set()
     while todo:
         name = todo.pop()
@@ -90,7 +81,6 @@ def missing_requirements(wheels):
 
 
 def verdict(absent):
-    """The one line for what is missing, with the commands that install it, or None."""
     if not absent:
         return None
     first = {canonical(WHEELS.get(name.split(".")[0], name.split(".")[0])) for name in absent.values()}
@@ -112,9 +102,6 @@ def main():
         print(f"preflight: error: {line}", file=sys.stderr)
         sys.exit(MISSING)
     print("preflight: every module the scripts import is there.", file=sys.stderr)
-    if "--count-gpus" in sys.argv:  # as the scripts count them (CUDA_VISIBLE_DEVICES limits it)
-        import torch
-        print(torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
 
 if __name__ == "__main__":
