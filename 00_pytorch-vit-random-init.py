@@ -30,7 +30,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
 
         model.train()
-        for batch_idx, (features, targets) in enumerate(train_loader, keeper.first_batch):  # 0, or where a stopped run was (--resume)
+        for batch_idx, (features, targets) in enumerate(train_loader):
             model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
             features, targets = features.to(device), targets.to(device)
 
@@ -63,35 +63,35 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
 if __name__ == "__main__":
     args = parse_args(epochs=10)
-    keeper = RunKeeper(args)  # run records, checkpoints, --resume, Ctrl-C: run_keeping/
-    device = torch.device(args.accelerator)
-    print(watermark(packages="torch,torchvision,lightning", python=True))
-    torch.manual_seed(args.seed)
+    with RunKeeper(args) as keeper:  # checkpoints, --resume, Ctrl-C, one line for a known error, the record: run_keeping/keeper.py
+        device = torch.device(args.accelerator)
+        print(watermark(packages="torch,torchvision,lightning", python=True))
+        torch.manual_seed(args.seed)
 
-    ##########################
-    ### 1 Loading the Dataset
-    ##########################
-    train_loader, val_loader, test_loader = get_dataloaders(args)
+        ##########################
+        ### 1 Loading the Dataset
+        ##########################
+        train_loader, val_loader, test_loader = get_dataloaders(args)
 
-    #########################################
-    ### 2 Initializing the Model
-    #########################################
-    model = build_vit(weights=None, args=args)
+        #########################################
+        ### 2 Initializing the Model
+        #########################################
+        model = build_vit(weights=None, args=args)
 
-    # replace output layer
-    model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
+        # replace output layer
+        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
 
-    model.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
+        model.to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
 
-    #########################################
-    ### 3 Finetuning
-    #########################################
-    keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
-    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper)
+        #########################################
+        ### 3 Finetuning
+        #########################################
+        keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+        train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper)
 
-    #########################################
-    ### 4 Evaluation
-    #########################################
-    test_acc = evaluate(model, test_loader, device)
-    keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model
+        #########################################
+        ### 4 Evaluation
+        #########################################
+        test_acc = evaluate(model, test_loader, device)
+        keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model

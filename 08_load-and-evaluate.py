@@ -27,13 +27,14 @@ from local_utilities import build_vit
 from local_utilities import evaluate
 from local_utilities import get_dataloaders
 from local_utilities import talk_transforms
-from run_keeping import fail
-from run_keeping.checkpoints import load_model_file
 from run_keeping.config import MOST_WORKERS
 from run_keeping.config import Parser
 from run_keeping.config import check_path
+from run_keeping.config import fail
 from run_keeping.config import whole_number
-from run_keeping.record import record_of
+from run_keeping.reading import load_model_file
+from run_keeping.reading import record_of
+from run_keeping.reading import whole
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")  # what the runs record
@@ -91,8 +92,8 @@ def newest_model(args):
         record = record_of(path, args.results)
         kind = record["kind"] if record else (re.findall(r"-(smoke-synthetic|smoke|synthetic)(?=-|$)",
                                                          os.path.basename(path)[:-3]) or ["full"])[0]
-        whole = record["whole"] if record else "-max-steps" not in os.path.basename(path)
-        (kinds.setdefault(kind, []) if whole else cut_short).append(path)
+        result = whole(record) if record else "-max-steps" not in os.path.basename(path)
+        (kinds.setdefault(kind, []) if result else cut_short).append(path)
     models = kinds.get("smoke" if args.smoke else "full", [])
     if not models:
         also = (f" Only --smoke models are there ({', '.join(sorted(kinds['smoke']))}): add --smoke "
@@ -169,7 +170,7 @@ if __name__ == "__main__":
     fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=1, precision=precision)
     print(f"Loading {args.model} on {fabric.device} in {precision}"
           + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else "")
-          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record["compiled"] else ""))
+          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record["compile_mode"] else ""))
 
     #########################################
     ### 1 Loading the model

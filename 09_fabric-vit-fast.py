@@ -69,7 +69,6 @@ class DeviceData:
     def __init__(self, split, fabric, batch_size, size, train, seed):
         self.images, self.labels = (t.to(fabric.device) for t in split)
         self.fabric, self.batch_size, self.size, self.train, self.seed = fabric, batch_size, size, train, seed
-        self.skip = 0  # the next epoch's batches done before a stop mid-epoch (--resume)
         share = len(self.labels) // fabric.world_size if train else None
         self.num_batches = share // batch_size if train else math.ceil(
             len(range(fabric.global_rank, len(self.labels), fabric.world_size)) / batch_size)
@@ -83,16 +82,12 @@ class DeviceData:
         else:
             order = torch.arange(len(self.labels))
         mine = order[self.fabric.global_rank::self.fabric.world_size].to(self.images.device)
-        start, self.skip = self.skip, 0
-        for i in range(start, self.num_batches):
+        for i in range(self.num_batches):
             index = mine[i * self.batch_size:(i + 1) * self.batch_size]
             yield resize_on_device(self.images[index], self.size), self.labels[index]
 
     def __iter__(self):  # evaluation
         return self.epoch(0)
-
-    def skip_first(self, batches):  # run_keeping: continued mid-epoch, these are done
-        self.skip = batches
 
 
 def warmup_then_cosine(total_steps):
@@ -105,7 +100,7 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
     start = time.time()
     for epoch in range(keeper.start_epoch, num_epochs):
         model.train()
-        for batch_idx, (features, targets) in enumerate(train_data.epoch(epoch), keeper.first_batch):  # 0, or where a stopped run was (--resume)
+        for batch_idx, (features, targets) in enumerate(train_data.epoch(epoch)):
             logits = model(features)
             loss = F.cross_entropy(logits, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -117,7 +112,7 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
                 fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_data):04d} | Loss: {loss:.4f}")
         val_acc = evaluate(model, val_data, fabric.device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Val acc.: {val_acc*100:.2f}%")
-        keeper.checkpoint(epoch, model, optimizer, val_acc, scheduler)
+        keeper.checkpoint(epoch, model, optimizer, val_acc)
     return time.time() - start
 
 
@@ -138,31 +133,32 @@ if __name__ == "__main__":
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
                       precision="bf16-mixed", strategy="ddp" if args.world_size > 1 else "auto")
     fabric.launch()
-    keeper = RunKeeper(args, fabric)
-    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))
-    torch.manual_seed(args.seed)
+    with RunKeeper(args, fabric) as keeper:  # checkpoints, --resume, Ctrl-C, one line for a known error, the record
+        fabric.print(watermark(packages="torch,torchvision,lightning", python=True))
+        torch.manual_seed(args.seed)
 
-    # 1 The data, on the device
-    with fabric.rank_zero_first(local=True):
-        splits = uint8_splits(args)
-    size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
-    eval_batch = 120 if args.smoke else 250  # divides the splits: no odd last batch to compile
-    train_data = DeviceData(splits["train"], fabric, args.batch_size, size, True, args.seed)
-    val_data = DeviceData(splits["val"], fabric, eval_batch, size, False, args.seed)
-    test_data = DeviceData(splits["test"], fabric, eval_batch, size, False, args.seed)
+        # 1 The data, on the device
+        with fabric.rank_zero_first(local=True):
+            splits = uint8_splits(args)
+        size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
+        eval_batch = 120 if args.smoke else 250  # divides the splits: no odd last batch to compile
+        train_data = DeviceData(splits["train"], fabric, args.batch_size, size, True, args.seed)
+        val_data = DeviceData(splits["val"], fabric, eval_batch, size, False, args.seed)
+        test_data = DeviceData(splits["test"], fabric, eval_batch, size, False, args.seed)
 
-    # 2 The model, optimizer and schedule
-    model = build_vit(weights="IMAGENET1K_V1", args=args)
-    model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
-    gpu_path = fabric.device.type == "cuda" or args.compile_on_cpu
-    if gpu_path:  # before setup, as Fabric's docs ask: setup compiles again around DDP's wrapper
-        model = torch.compile(model)
-    model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(make_optimizer(model, args, fused=gpu_path))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(args.epochs * len(train_data)))
+        # 2 The model, optimizer and schedule
+        model = build_vit(weights="IMAGENET1K_V1", args=args)
+        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
+        gpu_path = fabric.device.type == "cuda" or args.compile_on_cpu
+        if gpu_path:  # before setup, as Fabric's docs ask: setup compiles again around DDP's wrapper
+            model = torch.compile(model)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(make_optimizer(model, args, fused=gpu_path))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(args.epochs * len(train_data)))
 
-    # 3 Finetuning, 4 evaluation
-    keeper.resume(model, optimizer, train_data, scheduler)
-    train_time = train(args.epochs, model, optimizer, scheduler, train_data, val_data, fabric, keeper)
-    test_acc = evaluate(model, test_data, fabric.device)
-    keeper.finish(train_time, test_acc, model)
+        # 3 Finetuning, 4 evaluation
+        keeper.keep_in_checkpoints(scheduler)
+        keeper.resume(model, optimizer, train_data)
+        train_time = train(args.epochs, model, optimizer, scheduler, train_data, val_data, fabric, keeper)
+        test_acc = evaluate(model, test_data, fabric.device)
+        keeper.finish(train_time, test_acc, model)

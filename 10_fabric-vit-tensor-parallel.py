@@ -32,7 +32,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10).to(device)
 
         model.train()
-        for batch_idx, (features, targets) in enumerate(train_loader, keeper.first_batch):  # 0, or where a stopped run was (--resume)
+        for batch_idx, (features, targets) in enumerate(train_loader):
             model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
 
             ### FORWARD AND BACK PROP
@@ -70,38 +70,38 @@ if __name__ == "__main__":
         strategy=L.fabric.strategies.ModelParallelStrategy(tensor_parallel_mlps_then_fsdp, data_parallel_size=args.data_parallel, tensor_parallel_size=args.tensor_parallel),  # [10] instead of (fsdp_each_encoder_block, ..., tensor_parallel_size=1)
     )
     fabric.launch()  # [03] new: starts the other processes, if any
-    keeper = RunKeeper(args, fabric)  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
-    device = fabric.device  # [03] instead of torch.device(args.accelerator)
-    fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
-    torch.manual_seed(args.seed)
+    with RunKeeper(args, fabric) as keeper:  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
+        device = fabric.device  # [03] instead of torch.device(args.accelerator)
+        fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
+        torch.manual_seed(args.seed)
 
-    ##########################
-    ### 1 Loading the Dataset
-    ##########################
-    with fabric.rank_zero_first(local=True):  # [03] new: one process per machine downloads, the others wait
-        train_loader, val_loader, test_loader = get_dataloaders(args)
-    train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # [03] new: each batch now arrives on the device, so the loop drops its .to(device)
+        ##########################
+        ### 1 Loading the Dataset
+        ##########################
+        with fabric.rank_zero_first(local=True):  # [03] new: one process per machine downloads, the others wait
+            train_loader, val_loader, test_loader = get_dataloaders(args)
+        train_loader, val_loader, test_loader = fabric.setup_dataloaders(train_loader, val_loader, test_loader)  # [03] new: each batch now arrives on the device, so the loop drops its .to(device)
 
-    #########################################
-    ### 2 Initializing the Model
-    #########################################
-    model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
+        #########################################
+        ### 2 Initializing the Model
+        #########################################
+        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
 
-    # replace output layer
-    model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
+        # replace output layer
+        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
 
-    model = fabric.setup_module(model)  # [03] instead of model.to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
-    optimizer = fabric.setup_optimizers(optimizer)  # [03] new
+        model = fabric.setup_module(model)  # [03] instead of model.to(device)
+        optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
+        optimizer = fabric.setup_optimizers(optimizer)  # [03] new
 
-    #########################################
-    ### 3 Finetuning
-    #########################################
-    keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
-    train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
+        #########################################
+        ### 3 Finetuning
+        #########################################
+        keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+        train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
 
-    #########################################
-    ### 4 Evaluation
-    #########################################
-    test_acc = evaluate(model, test_loader, device)
-    keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model
+        #########################################
+        ### 4 Evaluation
+        #########################################
+        test_acc = evaluate(model, test_loader, device)
+        keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model

@@ -22,9 +22,8 @@ import torch
 
 from benchmarks import memory, peaks, throughput
 from benchmarks.runs import SCRIPTS, SOME_FAILED
-from run_keeping import fail
-from run_keeping.config import WARMUP_STEPS, Parser, chart_command, check_path, whole_number
-from run_keeping.files import write_report
+from benchmarks.reports import chart_command, write_report
+from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, whole_number
 
 
 def parse_args(argv=None):

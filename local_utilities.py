@@ -1,6 +1,7 @@
 """What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the
 talk, and the offline --smoke and --synthetic stand-ins), the model, the parallelize functions
 and evaluation. The command line, records, checkpoints and --resume are in run_keeping/."""
+
 import os
 import shutil
 from pathlib import Path
@@ -11,32 +12,30 @@ import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from run_keeping import config as command_line
-from run_keeping import fail
-from run_keeping.processes import native_bf16
+from run_keeping.config import fail, native_bf16
 
 NUM_CLASSES = 10
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 TALK_IMAGE_SIZE = 224
-NUM_VALIDATION = 5000        # the last 5,000 of CIFAR-10's 50,000 training images
+NUM_VALIDATION = 5000  # the last 5,000 of CIFAR-10's 50,000 training images
 SMOKE_IMAGE_SIZE = 32
-SMOKE_SPLIT = (240, 360)     # of scikit-learn's 1,797 digits, held out for validation and test
+SMOKE_SPLIT = (240, 360)  # of scikit-learn's 1,797 digits, held out for validation and test
 SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
 # -- Flags ----------------------------------------------------------------------------------------
-def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True,
-               micro_batches=1):
+def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True, micro_batches=1):
     """The shared command line (run_keeping/config.py), checked against these data's sizes."""
-    return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader,
-                                   {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}, micro_batches)
+    images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
+    return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader, images, micro_batches)
 
 
 # -- Data -----------------------------------------------------------------------------------------
 def talk_transforms():
     """The talk's transform for every split: resize to 224x224, to a tensor in [0, 1]."""
     from torchvision import transforms
-    return transforms.Compose([transforms.Resize((TALK_IMAGE_SIZE, TALK_IMAGE_SIZE)),
-                               transforms.ToTensor()])
+
+    return transforms.Compose([transforms.Resize((TALK_IMAGE_SIZE, TALK_IMAGE_SIZE)), transforms.ToTensor()])
 
 
 def resize_on_device(images, size=TALK_IMAGE_SIZE):
@@ -45,8 +44,7 @@ def resize_on_device(images, size=TALK_IMAGE_SIZE):
     images = images.float().div_(255)
     if images.shape[-1] == size:
         return images
-    return torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear",
-                                           align_corners=False)
+    return torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
 
 
 def get_dataloaders(args):
@@ -62,45 +60,53 @@ def get_dataloaders(args):
         train, val, test = cifar10_datasets(args.data_dir, download=not args.no_download)
     if args.max_steps:
         train = Subset(train, range(min(len(train), args.max_steps * args.batch_size * args.data_parallel)))
-    common = dict(batch_size=args.batch_size // args.micro_batches,
-                  num_workers=0 if (args.smoke or args.synthetic) else args.num_workers)
-    return (DataLoader(train, shuffle=True, drop_last=True, **common),
-            DataLoader(val, shuffle=False, **common),
-            DataLoader(test, shuffle=False, **common))
+    common = dict(
+        batch_size=args.batch_size // args.micro_batches,
+        num_workers=0 if (args.smoke or args.synthetic) else args.num_workers,
+    )
+    return (
+        DataLoader(train, shuffle=True, drop_last=True, **common),
+        DataLoader(val, shuffle=False, **common),
+        DataLoader(test, shuffle=False, **common),
+    )
 
 
 def cifar10_datasets(data_dir, download=True):
     """torchvision's CIFAR10 in data_dir: 45,000 train / 5,000 validation (the last 5,000
     training images) / 10,000 test, all with the talk's transform."""
     from torchvision.datasets import CIFAR10
+
     where = os.path.abspath(data_dir)
     created = [p for p in [Path(where), *Path(where).parents] if not p.exists()]
     try:
         train_full = CIFAR10(root=data_dir, train=True, transform=talk_transforms(), download=download)
         test = CIFAR10(root=data_dir, train=False, transform=talk_transforms(), download=download)
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
-        fail(f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and "
-             f"--no-download was given. Download {CIFAR10_URL}, unpack it there, or drop "
-             "--no-download.")
+        fail(
+            f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and "
+            f"--no-download was given. Download {CIFAR10_URL}, unpack it there, or drop "
+            "--no-download."
+        )
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
         if created:  # the folders this run made (and the partial download in them): gone again
             shutil.rmtree(created[-1], ignore_errors=True)
-        fail(f"CIFAR-10 is not in {where} and could not be downloaded "
-             f"({getattr(err, 'reason', None) or err.strerror or err}). On a machine with "
-             f"internet, download {CIFAR10_URL} and unpack it into {where}.")
+        fail(
+            f"CIFAR-10 is not in {where} and could not be downloaded "
+            f"({getattr(err, 'reason', None) or err.strerror or err}). On a machine with "
+            f"internet, download {CIFAR10_URL} and unpack it into {where}."
+        )
     num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000
-    return (Subset(train_full, range(num_train)),
-            Subset(train_full, range(num_train, len(train_full))), test)
+    return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
 
 def digits_datasets():
     """The --smoke data: scikit-learn's 1,797 8x8 digits, upscaled to 32x32 and 3 channels, in
     [0, 1], split once and for all (independent of --seed) into train / val / test."""
     from sklearn.datasets import load_digits
+
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    images = torch.nn.functional.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2,
-                                             mode="bilinear", align_corners=False)
+    images = torch.nn.functional.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
     images = images.clamp(0, 1).repeat(1, 3, 1, 1)
     labels = torch.tensor(digits.target, dtype=torch.long)
     order = torch.from_numpy(np.random.RandomState(0).permutation(len(labels)))
@@ -123,9 +129,13 @@ def synthetic_datasets(args, device=None):
         images = torch.rand(held, 3, size, size, generator=g)
         labels = torch.randint(0, NUM_CLASSES, (held,), generator=g)
         return TensorDataset(images, labels) if device is None else Cycled(images.to(device), labels.to(device), n)
+
     train = args.max_steps * per_step
-    return (make(train, train if device is None else per_step), make(args.data_parallel, args.data_parallel),
-            make(args.data_parallel, args.data_parallel))
+    return (
+        make(train, train if device is None else per_step),
+        make(args.data_parallel, args.data_parallel),
+        make(args.data_parallel, args.data_parallel),
+    )
 
 
 class Cycled(torch.utils.data.Dataset):
@@ -150,8 +160,16 @@ def smoke_vit():
     init read the digits as well as pretrained: docs/smoke.md), 3 layers, width 128; a head for the 10
     printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
-    return VisionTransformer(image_size=SMOKE_IMAGE_SIZE, patch_size=8, num_layers=3,
-                             num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)
+
+    return VisionTransformer(
+        image_size=SMOKE_IMAGE_SIZE,
+        patch_size=8,
+        num_layers=3,
+        num_heads=4,
+        hidden_dim=128,
+        mlp_dim=256,
+        num_classes=NUM_CLASSES,
+    )
 
 
 def build_vit(weights, args):
@@ -160,6 +178,7 @@ def build_vit(weights, args):
     IMAGENET1K_V1 (on printed digits, by make_smoke_weights.py: the demo's ImageNet); --synthetic:
     random init. The model notes in model.init what it starts from (for the output and record)."""
     import torchvision.models as vits
+
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
     weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
     if args.smoke:
@@ -178,12 +197,15 @@ def build_vit(weights, args):
 def pretrained(vit, weights):
     """torchvision's model with its ImageNet weights, from torch's hub cache or downloaded."""
     import torchvision.models as vits
+
     try:
         return vits.get_model(vit, weights=weights)
     except (OSError, RuntimeError) as err:
         cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
-        fail(f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)})."
-             f" On a machine with internet, download {weights.url} and place it at {cache}.")
+        fail(
+            f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)})."
+            f" On a machine with internet, download {weights.url} and place it at {cache}."
+        )
 
 
 def fsdp_each_encoder_block(model, device_mesh, offload=False):
@@ -192,12 +214,14 @@ def fsdp_each_encoder_block(model, device_mesh, offload=False):
     talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
     reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
     the float32 sums DDP (05) makes too. float32 throughout on a device without native bfloat16
-    (run_keeping/processes.py says so). offload: see the next function."""
+    (run_keeping/config.py says so). offload: see the next function."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
+
     cuda = device_mesh.device_type == "cuda"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if native_bf16(device_mesh.device_type) else None,
-                                  reduce_dtype=torch.float32)
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if native_bf16(device_mesh.device_type) else None, reduce_dtype=torch.float32
+    )
     place = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()  # OffloadPolicy(): none
     for module in [*(m for m in model.modules() if isinstance(m, EncoderBlock)), model]:
         fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy, offload_policy=place)
@@ -220,12 +244,13 @@ def tensor_parallel_mlps_then_fsdp(model, device_mesh):
     split would cut across q, k and v instead of between heads."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torchvision.models.vision_transformer import EncoderBlock
+
     for block in model.modules():
         if isinstance(block, EncoderBlock):  # block.mlp: Linear, GELU, Dropout, Linear, Dropout
-            parallelize_module(block.mlp, device_mesh["tensor_parallel"],
-                               {"0": ColwiseParallel(), "3": RowwiseParallel()})
+            parallelize_module(
+                block.mlp, device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "3": RowwiseParallel()}
+            )
     return fsdp_each_encoder_block(model, device_mesh)
-
 
 
 # -- Evaluation -----------------------------------------------------------------------------------

@@ -22,8 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from run_keeping.config import Parser, check_path, whole_number
-from run_keeping.processes import device_name
+from run_keeping.config import Parser, check_path, device_name, whole_number
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"

@@ -17,8 +17,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from run_keeping import fail
-from run_keeping.config import Parser, chart_command, check_path, lessons
+from benchmarks.reports import chart_command
+from run_keeping.config import Parser, check_path, fail, lessons
 from run_keeping.record import read_runs, upgrade
 
 ROOT = Path(__file__).resolve().parent

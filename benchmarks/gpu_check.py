@@ -104,7 +104,7 @@ class Check:
         self.costs.setdefault(kind, {}).setdefault(key, []).append(seconds)
 
     def write(self, current=None):
-        from run_keeping.files import write_report
+        from benchmarks.reports import write_report
         write_report(self.out / "gpu-check.md", report_text(self, current))
 
 
@@ -267,7 +267,7 @@ def report_text(check, current=None):
 def main(argv=None):
     """The check: every stage of plan() in order. Exit 0, 2 (no GPU without --smoke) or 6 (some
     configurations failed)."""
-    from run_keeping import fail
+    from run_keeping.config import fail
     args = parse_args(argv)
     check = Check(args)
     if check.gpus == 0 and not args.smoke:
@@ -286,7 +286,7 @@ def main(argv=None):
             check.stages.append((name, title, state, text))
             check.write()
     from benchmarks.runs import SOME_FAILED
-    from run_keeping.config import chart_command
+    from benchmarks.reports import chart_command
     print(f"gpu_check.sh: report written to {check.out / 'gpu-check.md'}; records appended to {args.results} "
           f"(chart them with: {chart_command('smoke-synthetic' if args.smoke else 'synthetic', args.results)})",
           file=sys.stderr)

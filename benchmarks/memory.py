@@ -4,6 +4,7 @@ chain as a staircase (--sequel). A CPU reports peak resident memory less what th
 a GPU torch.cuda.max_memory_reserved (the talk's figure). docs/benchmarks.md has the tables.
 """
 import functools
+import os
 import sys
 import tempfile
 from datetime import datetime, timezone
@@ -13,10 +14,9 @@ import torch
 
 from benchmarks.runs import (SCRIPTS, RunFailed, ask, make_strategy, memory_env, process_range, run,
                              run_script, say)
-from run_keeping import leave
-from run_keeping.config import VITS, lessons
-from run_keeping.files import append_record, fmt, markdown_table
-from run_keeping.processes import device_name, native_bf16
+from benchmarks.reports import fmt, markdown_table
+from run_keeping.config import VITS, device_name, lessons, native_bf16
+from run_keeping.record import append_record
 
 # --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
 # state, not the activations), and the strategies of 01/04, 05, 06 and 10 on 1 or 2 processes.
@@ -24,7 +24,7 @@ MEMORY_MODELS = {"ViT-B/16": ("vit_b_16", 32), "ViT-L/16": ("vit_l_16", 32),
                  "ViT-H/14": ("vit_h_14", 28)}
 MEMORY_STRATEGIES = {  # name: (processes, the record's strategy name, tensor-parallel size)
     "one process": (1, "single-device", 1), "DDP (05)": (2, "ddp", 1),
-    "FSDP2 (06)": (2, "fsdp2-per-block", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
+    "FSDP2 (06)": (2, "fsdp2", 1), "TP (10)": (2, "tensor-parallel+fsdp2", 2)}
 def process_memory(cuda):
     """(current, peak) bytes: the CUDA allocator's reserved memory, or the resident set."""
     if cuda:
@@ -34,7 +34,7 @@ def process_memory(cuda):
 
 
 def reset_peak_memory(cuda):
-    from run_keeping.processes import forget_cpu_peak
+    from run_keeping.keeper import forget_cpu_peak
     torch.cuda.reset_peak_memory_stats() if cuda else forget_cpu_peak()
 
 
@@ -45,7 +45,6 @@ def memory_run(args):
     import lightning as L
     import torch.nn.functional as F
     import torchvision.models
-    from run_keeping.checkpoints import count_local_parameters
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
     accelerator = args.accelerator  # auto is resolved by benchmark.parse_args
@@ -75,7 +74,7 @@ def memory_run(args):
             fabric.backward(loss)
             optimizer.step()
         after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
-        held = torch.tensor([float(count_local_parameters(model))], device=fabric.device)
+        held = torch.tensor([float(sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters()))], device=fabric.device)
         afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
         say("MEMORY", {"model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
                        "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
@@ -85,7 +84,8 @@ def memory_run(args):
         if cuda:
             torch.cuda.empty_cache()
     fabric.barrier()
-    leave(0)  # run_keeping/__init__.py: why a multi-process run ends so
+    sys.stdout.flush()
+    os._exit(0)  # run_keeping/keeper.py's docstring (Exit): why a multi-process run ends so
 
 
 def state_terms(precision, optimizer, strategy, parameters, held):
@@ -252,11 +252,13 @@ def vit_shape(vit):
 def arithmetic(record):
     """What one process of the run a record describes should hold at its peak, term by term (bytes)."""
     parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
-    held = max(record["parameters_per_process"])
-    fsdp = record["strategy"] in ("fsdp2-per-block", "tensor-parallel+fsdp2")
-    tp = record.get("tensor_parallel_size") or 1
-    terms = state_terms(record["precision"], record["optimizer"], record["strategy"], parameters, held)
-    if record.get("parallelize") == "fsdp_each_encoder_block_offloaded" and record["accelerator"] == "cuda":
+    row = lessons()[record["script"]]  # the lesson's technique
+    strategy, tp = row["strategy"], record.get("tensor_parallel_size") or 1
+    fsdp, replicas = "fsdp2" in strategy, record["world_size"] // tp
+    # parameters one process holds: FSDP2 shards them across the replicas, after TP split each MLP
+    held = (parameters - blocks * (2 * width * mlp + mlp) * (1 - 1 / tp)) / replicas if fsdp else parameters
+    terms = state_terms(record["precision"], row["optimizer"], strategy, parameters, held)
+    if strategy == "fsdp2+cpu-offload" and record["accelerator"] == "cuda":
         terms.update(weights=0, gradients=0, optimizer=0)  # 15: in CPU memory, not the GPU's
     if record["precision"] == "bf16-mixed" and not fsdp:
         terms["autocast's bf16 weights"] = 2 * parameters  # cast once per forward, kept for backward
@@ -267,13 +269,13 @@ def arithmetic(record):
     value = 4 if record["precision"] == "32-true" else 2
     one_block = (9 * TOKENS * width + 2 * TOKENS * mlp // tp) * value \
         + (2 * TOKENS * width * 2 if record["precision"] == "bf16-mixed" else 0)
-    per_image = blocks * TOKENS * width * value + one_block if record.get("activation_checkpointing") \
+    per_image = blocks * TOKENS * width * value + one_block if row["activation_checkpointing"] \
         else blocks * one_block                  # checkpointed: each block's input, one block again
     micro = record["batch_size"] // (record.get("micro_batches") or 1)
     terms["activations"] = per_image * micro
     # a CPU's synthetic run holds all its images; a GPU's one step's of them (local_utilities)
     steps = 1 if record.get("accelerator") == "cuda" else record["max_steps"]
-    images = (steps * record["batch_size"] + 2) * record["data_parallel_size"]
+    images = (steps * record["batch_size"] + 2) * replicas
     terms["synthetic images"] = images * 3 * SIZE * SIZE * 4
     return terms
 
@@ -301,13 +303,10 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
         count = min(wanted, gpus)
         why = f"this machine has {gpus} GPU(s)"
     else:  # what n processes would hold by the arithmetic, with the libraries each imports
-        sharded = "fsdp" in lessons()[SCRIPTS[number]]["strategy"]
 
         def need(n):
-            record = dict(model=vit, precision="bf16-mixed", optimizer="Adam", batch_size=16,
-                          strategy="fsdp2-per-block" if sharded else "ddp", accelerator="cpu",
-                          parameters_per_process=[vit_shape(vit)[0] // (n if sharded else 1)],
-                          max_steps=TALK_STEPS, data_parallel_size=n, tensor_parallel_size=1)
+            record = dict(script=SCRIPTS[number], model=vit, precision="bf16-mixed", batch_size=16,
+                          accelerator="cpu", max_steps=TALK_STEPS, world_size=n, tensor_parallel_size=1)
             return n * (libraries * 1e9 + sum(arithmetic(record).values()))
         free = available_memory(False)
         count = next((n for n in range(wanted, 0, -1) if need(n) < 0.85 * free), 1)
@@ -510,7 +509,7 @@ def staircase_chart(rows, path, device, when=None):
             if points:
                 ax.scatter(*zip(*points), color="C3", marker=marker, zorder=4, label=label)
                 for i, _ in points:  # 14 also checkpoints activations; the sequel's SGD run did not
-                    if key == "sequel_memory_gb" and mine[i]["record"].get("activation_checkpointing"):
+                    if key == "sequel_memory_gb" and lessons()[mine[i]["record"]["script"]]["activation_checkpointing"]:
                         ax.annotate("sequel: no\ncheckpointing", (i, mine[i]["reference"][key]), fontsize=6,
                                     xytext=(4, 4), textcoords="offset points", color="C3")
         ax.set_xticks(list(x))

@@ -10,9 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from run_keeping import first_sentence
 from run_keeping.config import lessons
-from run_keeping.record import upgrade
+from run_keeping.record import first_line, upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +72,7 @@ def why(code, stderr):
     """The one line that says why a process failed: its own error line, else its last."""
     lines = [line.strip() for line in (stderr or "").splitlines() if line.strip()]
     said = [line for line in lines if ": error: " in line] or lines[-1:] or ["no output"]
-    return f"exit {code}: {first_sentence(said[-1], 240)}"
+    return f"exit {code}: {first_line(said[-1], 240)}"
 
 
 def run_script(script, flags, results, env=None, timeout=None):
@@ -108,14 +107,15 @@ def ask(tag, flags, env=None, timeout=None):
     return answers, seconds
 
 
-def make_strategy(name, devices, tensor_parallel=1, parallelize=None):
-    """The strategy a record names, for `devices` processes (`parallelize`: 15's offload, else the
-    strategy's own)."""
+PARALLELIZE = {"fsdp2": "fsdp_each_encoder_block", "fsdp2+cpu-offload": "fsdp_each_encoder_block_offloaded",
+               "tensor-parallel+fsdp2": "tensor_parallel_mlps_then_fsdp"}  # lessons.csv's strategies
+
+
+def make_strategy(name, devices, tensor_parallel=1):
+    """The strategy lessons.csv names, for `devices` processes."""
     import lightning as L
     import local_utilities
     if name in ("single-device", "ddp"):
         return {"single-device": "auto", "ddp": "ddp"}[name]
-    implied = "tensor_parallel_mlps_then_fsdp" if tensor_parallel > 1 else "fsdp_each_encoder_block"
-    parallelize = parallelize or implied
-    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, parallelize),
+    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, PARALLELIZE[name]),
                                                      devices // tensor_parallel, tensor_parallel)

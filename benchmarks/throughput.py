@@ -6,6 +6,7 @@ talk's input pipeline; then what this machine showed and what it cannot say.
 """
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -18,10 +19,9 @@ import torch.utils.data as torch_data
 from benchmarks.peaks import peak_tflops
 from benchmarks.memory import chain
 from benchmarks.runs import SCRIPTS, RunFailed, ask, make_strategy, process_range, run_script, say
-from run_keeping import leave
+from benchmarks.reports import fmt, markdown_table
 from run_keeping.config import WARMUP_STEPS, lessons
-from run_keeping.processes import BUSY_WAIT
-from run_keeping.files import fmt, markdown_table
+from run_keeping.keeper import BUSY_WAIT
 
 REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
 STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
@@ -57,12 +57,14 @@ def run_configuration(script, batch, args, scratch, timeout=None):
 
 
 def bare_spec(record):
-    return {"precision": record["precision"], "strategy": record["strategy"],
+    """What the bare loop rebuilds of a run: the lesson's technique from its row of lessons.csv, what
+    ran (precision, processes, sizes, compile mode) from the record."""
+    row = lessons()[record["script"]]
+    return {"precision": record["precision"], "strategy": row["strategy"],
             "processes": record["world_size"], "tensor_parallel": record["tensor_parallel_size"] or 1,
             "batch": record["batch_size"], "micro_batches": record["micro_batches"] or 1,
-            "checkpointing": bool(record["activation_checkpointing"]),
-            "optimizer": record["optimizer"] or "Adam", "parallelize": record["parallelize"],
-            "optimizer_kernel": record["optimizer_kernel"], "compile_mode": record["compile_mode"]}
+            "checkpointing": bool(row["activation_checkpointing"]), "optimizer": row["optimizer"],
+            "compile_mode": record["compile_mode"]}
 
 
 def bare_key(record):
@@ -86,16 +88,16 @@ def bare_loop(args):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
     from torchvision.models.vision_transformer import EncoderBlock
     from local_utilities import SMOKE_IMAGE_SIZE, TALK_IMAGE_SIZE, build_vit
-    from run_keeping.keeper import compile_mode
-    from run_keeping.processes import cpu_from, peak_memory_gb, share_cpu_threads, waiting_share
+    from run_keeping.keeper import cpu_times, waiting_share
+    from run_keeping.record import peak_memory_gb
     spec, steps = json.loads(args.bare_loop), args.max_steps
     devices, micro = spec["processes"], spec["micro_batches"]
-    strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"], spec["parallelize"])
+    strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"])
     fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=devices,
                       precision=spec["precision"], strategy=strategy)
     fabric.launch()
-    if fabric.device.type == "cpu":
-        share_cpu_threads(devices)  # as the scripts' processes do (run_keeping/processes.py)
+    if devices > 1 and "OMP_NUM_THREADS" not in os.environ:  # as RunKeeper shares the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
     torch.manual_seed(123)
     model = build_vit(None, argparse.Namespace(smoke=args.smoke, synthetic=True))
     model.heads.head = torch.nn.Linear(model.hidden_dim, 10)
@@ -104,8 +106,9 @@ def bare_loop(args):
     if spec.get("compile_mode"):  # before setup, as the scripts compile
         model = torch.compile(model, mode=spec["compile_mode"])
     model = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(),
-                                                       spec.get("optimizer_kernel")))
+    # 09 steps with the fused AdamW where it compiles (on a GPU, or with --compile-on-cpu)
+    fused = spec["optimizer"] == "AdamW" and spec["compile_mode"] is not None
+    optimizer = fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(), fused))
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     features = torch.rand(spec["batch"] // micro, 3, size, size, device=fabric.device)
     targets = torch.randint(0, 10, (spec["batch"] // micro,), device=fabric.device)
@@ -115,7 +118,7 @@ def bare_loop(args):
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            start, since = time.perf_counter(), cpu_from()
+            start, since = time.perf_counter(), cpu_times()
         optimizer.zero_grad()
         for part in range(micro):
             with fabric.no_backward_sync(model, enabled=part < micro - 1):
@@ -128,17 +131,17 @@ def bare_loop(args):
     memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
     waited = fabric.all_reduce(torch.tensor(waiting_share(since)), reduce_op="max")
     say("BARE", {"images_per_s": images / float(seconds), "peak_memory_gb": float(memory),
-                 "cpu_wait_share": float(waited), "compile_mode": compile_mode(model)}, fabric)
+                 "cpu_wait_share": float(waited), "compile_mode": spec["compile_mode"]}, fabric)
     fabric.barrier()
-    leave(0)  # run_keeping/__init__.py: why a multi-process run ends so
+    sys.stdout.flush()
+    os._exit(0)  # run_keeping/keeper.py's docstring (Exit): why a multi-process run ends so
 
 
-def make_optimizer(name, parameters, kernel=None):
-    """The optimizer a record names with the kernel it stepped with (None: torch's own choice), at its
-    lessons' learning rate."""
-    options = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+def make_optimizer(name, parameters, fused=False):
+    """The lesson's optimizer (lessons.csv) at its learning rate; fused as 09 on its GPU path, else
+    torch's own choice of kernel, as the lessons make it."""
     return getattr(torch.optim, name)(parameters, lr=0.01 if name == "SGD" else 5e-5,
-                                      **options.get(kernel, {}))
+                                      **({"fused": True} if fused else {}))
 
 
 class Cifar10Shaped(torch_data.Dataset):

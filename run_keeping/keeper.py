@@ -1,471 +1,577 @@
-"""RunKeeper: what a numbered script calls to keep its run, out of the lesson's way: the figures so
-far (Figures), the step timing (StepMeter), the signals (Stopping) and the record.
+"""RunKeeper: what a numbered script calls to keep its run. Its whole effect on a run:
 
-Ctrl-C and SIGTERM (SLURM's warning before it kills) stop a run in training at its next optimizer
-step, the same in every process, after a checkpoint of where it is; otherwise at once.
+- Files. Process 0 holds `.lock` in the checkpoint folder (--checkpoint-dir, by default
+  checkpoints/<run>/) while the run runs: an flock the system lets go of however the process ends,
+  so a second run there is refused in one line. After each epoch a checkpoint (model, optimizer,
+  scheduler, torch's random state, the figures so far) is written with Fabric's save (torch.save
+  for 00-02) beside its name and renamed into place, then named in latest.json; the one before is
+  removed. A finished run writes its model file (--save-model) and appends one line to --results,
+  then removes its checkpoints.
+- Continuing. With --resume, or when SLURM requeues the job or torchrun restarts its workers (the
+  same job or run id in latest.json), the run continues after the last checkpoint's epoch; an
+  unfinished run is never started over without a word.
+- Signals. From RunKeeper(...) on, Ctrl-C and SIGTERM (SLURM's warning before it kills) raise
+  Interrupted wherever the run is; leaving the `with` block says in one line what is kept (the last
+  epoch's checkpoint; the batches since are lost) and exits 130 or 143.
+- Errors. Leaving the `with` block, an error a user can act on is one line and its exit code
+  (docs/flags-records-exit-codes.md): out of GPU memory 1, a NaN loss 1, a failed write 1,
+  torch.compile without its compiler 2, a process of the run lost 3. Anything else is a traceback.
+- Threads. Where several processes share a machine, each gets its share of the cores
+  (torch.set_num_threads), unless OMP_NUM_THREADS is set.
+- Precision. None: parse_args chose it (run_keeping/config.py); the keeper says the fallback.
+- Printing. Each process says who started it; process 0 says what kind of run it is, the
+  fallback, where it continues from, and the talk's closing lines (time, memory, accuracy).
+- Exit. A run of several processes leaves through os._exit once its files are written: gloo's
+  worker thread may free its tensors during the interpreter's shutdown and abort the process
+  (pytorch/pytorch#190489), which left a torchrun node waiting at its exit barrier.
 """
-import io
+
+import fcntl
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import sys
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 
 import torch
 
-from run_keeping import EXIT_CODES, clean_up, fail, first_sentence, leave, on_exit
-from run_keeping.checkpoints import (SETTINGS, Checkpoints, continue_data_order, count_local_parameters,
-                                     count_parameters, held_line, plain_state_dict, rng_states)
-from run_keeping.config import VITS, WARMUP_STEPS, invoked, resume_command, started_flags
-from run_keeping.record import build, compile_mode, techniques
-from run_keeping.files import append_record, sha256, write_atomically
-from run_keeping.processes import (StopVote, bound_waits, device_name, fall_back_from_bf16, forget_cpu_peak,
-                                   fsdp_units, gather, lost_peer, opening_line, peak_memory_gb,
-                                   share_cpu_threads, together, BUSY_WAIT, cpu_from, waiting_share)
+from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
+from run_keeping.config import invoked, resume_command, started_flags
+from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 
-PRINT_EVERY = 300  # the scripts print the loss every 300 batches; the loss guard reads then
-WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
-             "synthetic": "{vit} from random init on random images and labels",
-             "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
-COMPILERS = {  # what torch.compile needs on each device, and where to find it
-    "cpu": "On a CPU it needs a working C++ compiler: install g++ (or point CXX at one)",
-    "cuda": "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build "
-            "Triton's launcher: install gcc (or point CC at one)",
-}
-# How torch.compile says its compiler is missing (inductor's C++ check, Triton's C compiler, a
-# compiler command that is not there); any other compile error is said as itself.
-NO_COMPILER = re.compile(r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|"
-                         r"No such file or directory: '(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|"
-                         r"(?:g\+\+|gcc|cc|clang): (?:command )?not found", re.I)
+PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
+LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
+# The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
+SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_parallel", "precision")
+# A run is busy when its computing thread spent more than this share of its ready time waiting for
+# a core. On an idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7% and
+# 07 9.0%; beside two programs spinning on the cores: 04 49%, 07 50%, 2-4 times slower.
+BUSY_WAIT = 0.25
+# How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
+LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
+LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*(?:timeout|Watchdog)"
+# How torch.compile says its compiler is missing; any other compile error is said as itself.
+NO_COMPILER = (
+    r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|(?:g\+\+|gcc|cc|clang): (?:command )?"
+)
+NO_COMPILER += r"not found|No such file or directory: '(?:g\+\+|gcc|cc|c\+\+|clang\+*)'"
+WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits"}
+WHAT_RUNS |= {"synthetic": "{vit} from random init on random images and labels"}
+WHAT_RUNS |= {"smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
+
+
+class Interrupted(BaseException):
+    """Ctrl-C or SIGTERM during the run (not an Exception: no `except Exception` swallows it)."""
+
+    def __init__(self, signum, frame=None):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def raise_interrupted(signum, frame):
+    raise Interrupted(signum)
 
 
 class RunKeeper:
+    """Used as `with RunKeeper(args, fabric) as keeper:` around a script's run; the script calls
+    keep_in_checkpoints() for a scheduler, resume() before training, batch_done() after each
+    batch, checkpoint() after each epoch and finish() at the end. Every effect it has on a run is
+    listed in this module's docstring."""
+
     def __init__(self, config, fabric=None):
-        self.config, self.fabric = config, fabric
+        self.config, self.fabric, self.folder = config, fabric, Path(config.checkpoint_dir)
         self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
-        self.checkpoints = Checkpoints(config, fabric, self.rank)
-        self.stopping = Stopping(config, self.rank, self.world_size, self.checkpoints)
-        self.precision_asked = fabric.strategy.precision.precision if fabric else "32-true"
-        on_exit(self.checkpoints.release)
-        together(fabric, lambda: self.checkpoints.claim() if self.rank == 0 else None, quiet=True)
-        again = together(fabric, self.checkpoints.decide, quiet=True)
-        self.resuming = config.resume or bool(again)  # a requeued SLURM job, a torchrun restart
-        if again:
-            self.print(f"{again}: continuing the run in {self.checkpoints.folder}.")
-        sys.stdout.write(opening_line(fabric, self.rank, self.world_size) + "\n")  # one write: the
-        sys.stdout.flush()  # processes of a machine share the terminal, and lines never mix
-        self.precision = fall_back_from_bf16(fabric) if fabric else "32-true"
-        if fabric and fabric.device.type == "cpu":
-            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", config.devices)))
-        self.meter = StepMeter(config.accelerator == "cuda", config.micro_batches)
-        self.vote, self.figures = StopVote(fabric), Figures()
-        self.first_batch = 0  # where the loop counts its batches from: 0, or where a run stopped mid-epoch was
+        self.lock = self.last = self.scheduler = self.epoch_loss = self.epoch_timer = None
+        self.finished, self.start_epoch, self.batch_in_epoch, self.train_loss = False, 0, 0, []
+        for signum in EXIT_ON_SIGNAL:
+            signal.signal(signum, raise_interrupted)
+        restart = self.agree(self.claim_folder)
+        self.resuming = config.resume or bool(restart)
+        print(opening_line(fabric, self.rank, self.world_size), flush=True)
+        processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", config.devices))
+        if processes_here > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_here))
+        self.print(
+            fallback_line(config),
+            no_cuda_graphs_line(config),
+            restart and f"{restart}: continuing the run in {self.folder}.",
+        )
 
-    def print(self, *a):  # on global rank 0 only: fabric.print prints once per machine
-        if self.rank == 0:
-            print(*a, flush=True)
+    def __enter__(self):
+        return self
 
-    @property
-    def start_epoch(self):
-        return self.figures.epochs_done
-
-    def resume(self, model, optimizer, train_loader, scheduler=None):
-        """Says what the run is; with --resume (or a launcher's restart) restores the newest
-        checkpoint, mid-epoch too. Returns the first epoch."""
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler or scheduler_of(optimizer)
-        self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.started, self.cpu_from = self.meter.start(len(train_loader)), cpu_from()
-        c, group = self.config, optimizer.param_groups[0]
-        self.settings = {**{k: getattr(c, k) for k in SETTINGS[:4]}, "world_size": self.world_size,
-                         "tensor_parallel": c.tensor_parallel, "precision": self.precision_asked,
-                         "lr": group.get("initial_lr", group["lr"])}  # what a --resume may not change
-        for line in opening_notes(c, self.init, model):
-            self.print(line)
-        self.held_parameters = [int(n) for n in gather(self.fabric, count_local_parameters(model))]
+    def __exit__(self, kind, error, traceback):
+        """One line and an exit code for an interruption or a known error; a traceback for others."""
+        code, message = 0, None
+        if kind and issubclass(kind, Interrupted):
+            code, message = EXIT_ON_SIGNAL[error.signum], self.interrupted_line(error.signum) * (self.rank == 0)
+        elif kind and issubclass(kind, SystemExit):
+            code = error.code  # its line is said
+        elif kind:
+            message, code = explain(error, self.config, self.rank, self.world_size, self.last) or (None, None)
+        if self.lock:  # let go of the folder, and remove it if nothing of the run is left in it
+            self.lock.release()
+            top = self.folder.parent if self.config.checkpoint_dir_is_default else self.folder
+            for folder in (self.folder, top):
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        if code is None:
+            return False  # an error nobody can act on but by reading its traceback
+        if message:
+            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
         if self.world_size > 1:
-            self.print(held_line(self.held_parameters, count_parameters(model)))
-        if self.fabric and self.fabric.device.type == "cuda" and fsdp_units(model)[1]:
-            share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", c.devices)))  # Adam steps on the CPU
-        bound_waits(self.fabric)
-        self.epoch_rng = rng_states()  # the random state each epoch's data order comes from
-        if self.resuming:
-            self._restore(train_loader)
-        self.stopping.phase = "training"
-        return self.start_epoch
-
-    def _restore(self, train_loader):
-        progress, rng = together(self.fabric, lambda: self.checkpoints.load(
-            self.model, self.optimizer, self.settings, self.scheduler))
-        partial = progress.get("partial") or {}
-        continue_data_order(train_loader, progress, rng)
-        self.epoch_rng = rng_states()
-        if partial:  # stopped mid-epoch: the epoch's figures so far
-            self.meter.restore(partial["meter"])
-            self.first_batch = partial["batches"]
-        self.figures.restore(progress)
-        within = f" and {partial['batches']} of {len(train_loader)} batches of the next" if partial else ""
-        self.print(f"Resuming {self.config.script} from {self.checkpoints.last}: "
-                   f"{self.start_epoch} of {self.config.epochs} epochs done{within}.")
-
-    def batch_done(self, loss, batch_size):
-        """After each batch the loader hands out, without waiting for the GPU; a stop asked for by a
-        signal is carried out after an optimizer step, at the same step in every process."""
-        stepped = self.meter.step(loss, batch_size, self.optimizer.param_groups[0]["lr"], self.figures.epochs_done + 1)
-        self.figures.count(stepped)
-        code = self.vote.step(self.stopping.wanted) if stepped else 0
+            sys.stdout.flush()
+            os._exit(code)  # see this module's docstring: Exit
         if code:
-            self.stopping.saved(code, self._save(partial={"batches": self.meter.epoch["batches"],
-                                                          "meter": self.meter.partial(self.fabric),
-                                                          "epoch_rng": self.epoch_rng}))
+            raise SystemExit(code) from None
+        for signum in EXIT_ON_SIGNAL:  # the run is over: a signal until the process ends is one line
+            signal.signal(signum, self.say_interrupted_and_exit)
 
-    def checkpoint(self, epoch, model, optimizer, val_acc, scheduler=None):
-        """After an epoch's validation: keep its figures and save the checkpoint to resume from."""
-        self.scheduler = scheduler or self.scheduler
-        if self.first_batch:  # the loop's train accuracy counted only the batches since the resume
-            self.print(resumed_epoch_line(self.first_batch, self.meter.steps_per_epoch))
-            self.first_batch = 0
-        mean_loss, lr = self.meter.end_epoch(self.figures.epochs_done + 1)
-        if self.fabric:
-            mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
-        self.figures.end_epoch(float(mean_loss), val_acc, lr)
-        # a synthetic run measures: after its last epoch nothing is left to resume, only its record
-        last_measured = self.config.synthetic and self.figures.epochs_done == self.config.epochs
-        seconds = None if last_measured else self._save()
-        if self.config.accelerator == "cpu" and seconds is not None:
-            forget_cpu_peak()
-        self.epoch_rng = rng_states()
-        code = self.stopping.wanted
-        if self.fabric and self.world_size > 1:
+    def say_interrupted_and_exit(self, signum, frame=None):
+        print(f"\n{self.config.script}: {self.interrupted_line(signum)}", file=sys.stderr, flush=True)
+        os._exit(EXIT_ON_SIGNAL[signum])
+
+    def print(self, *lines):  # on global rank 0 only (fabric.print prints once per machine)
+        for line in lines:
+            if line and self.rank == 0:
+                print(line, flush=True)
+
+    def agree(self, action):
+        """`action` in this process, then whether it failed in any: if so, every process exits with
+        the highest code, the failing one having said why."""
+        code, result = 0, None
+        try:
+            result = action()
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else 1
+        if self.world_size > 1:
             code = int(self.fabric.all_reduce(torch.tensor(code, device=self.fabric.device), reduce_op="max"))
         if code:
-            self.stopping.saved(code, seconds) if seconds is not None else self.stopping.stop_now(self.stopping.signal)
+            raise SystemExit(code)
+        return result
 
-    def _save(self, partial=None):
-        """A checkpoint of the progress so far; returns the seconds it took."""
-        elapsed = self.figures.training_s(time.time() - self.started)
-        progress = self.figures.progress(self.meter.totals(self.fabric, self.config.tensor_parallel,
-                                                           self.figures.earlier, elapsed), partial)
-        # memory is training's: a checkpoint write holds a serialised copy of the state for a
-        # moment (Fabric's save, a second in memory), which the talk's scripts never wrote
-        self.figures.peak_gb = max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator))
-        seconds = self.checkpoints.save(self.model, self.optimizer, progress, self.settings, self.scheduler)
-        self.figures.checkpoint_s.append(round(seconds, 3))
-        return seconds
+    def claim_folder(self):
+        """Process 0 locks the folder; every process reads whether the run continues the one in it.
+        Returns why a launcher restarted the run, or None."""
+        if self.rank == 0:
+            self.lock = FolderLock(self.folder)
+            for leftover in self.folder.glob("*.tmp"):  # a write that was cut off
+                remove(leftover)
+        exists, latest = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}
+        restart = restart_reason(latest)
+        if exists and not self.config.resume and not restart:
+            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {self.start_over()}"
+            fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
+        if self.config.resume and not exists:
+            others = sorted(self.folder.parent.glob(f"{Path(self.config.script).stem}*/{LATEST}"))
+            flags = [(read_json(p) or {}).get("flags") for p in others]
+            hint = "".join(
+                f" {p.parent} holds one: continue it with {resume_command(f)}." for p, f in zip(others, flags)
+            )
+            fail(f"--resume: nothing to resume in {self.folder} (no {LATEST}).{hint} Several machines must share it.")
+        return restart
+
+    def start_over(self):
+        """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
+        parent = f" && rmdir {self.folder.parent} 2>/dev/null" * self.config.checkpoint_dir_is_default
+        return f"start over with: rm -rf {self.folder}{parent}; {invoked(*started_flags())}"
+
+    def keep_in_checkpoints(self, scheduler):
+        """A learning-rate scheduler whose state each checkpoint keeps and --resume restores."""
+        self.scheduler = scheduler
+
+    def resume(self, model, optimizer, train_loader):
+        """Before training: with --resume (or a launcher's restart) the last checkpoint's model,
+        optimizer, scheduler, random state and figures, and the loader's order of the next epoch."""
+        self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
+        self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
+        self.print(self.config.kind and kind_line(self.config, self.init))
+        self.val_acc, self.checkpoint_s, self.peak_gb = [], [], 0.0
+        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
+        self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
+        self.cpu_at_start = cpu_times()
+        if self.resuming:
+            rng = self.agree(self.load_checkpoint)
+            if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch from the
+                for _ in range(self.start_epoch):  # times it was iterated
+                    next(iter(train_loader), None)
+            torch.set_rng_state(rng)  # after those: each iteration draws a seed from it
+            self.print(f"Resuming from {self.last}: {self.start_epoch} of {self.config.epochs} epochs done.")
+        self.started = time.perf_counter()  # the loop starts now
+
+    def batch_done(self, loss, batch_size):
+        """After each batch, without waiting for the GPU: the epoch's loss sum, checked every
+        PRINT_EVERY batches, and the timing of the steps after the first WARMUP_STEPS and each
+        epoch's first."""
+        loss = loss.detach().float()
+        if self.epoch_loss is None:  # the epoch's loss sum, and its first batch whose loss is not finite
+            self.epoch_loss, self.first_bad = torch.zeros_like(loss), torch.full_like(loss, -1)
+        self.epoch_loss = self.epoch_loss + loss
+        good = torch.isfinite(self.epoch_loss) | (self.first_bad >= 0)
+        self.first_bad = torch.where(good, self.first_bad, self.batch_in_epoch)
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch % PRINT_EVERY == 1:
+            self.check_loss()
+        optimizer_step = self.batch_in_epoch % self.config.micro_batches == 0
+        self.steps_this_session += optimizer_step
+        if self.epoch_timer is not None:
+            self.epoch_images += batch_size
+            if self.batch_in_epoch == self.batches_per_epoch:
+                self.timed_images += self.epoch_images
+                self.timed_seconds += synchronized_time(self.config) - self.epoch_timer
+        elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
+            self.epoch_timer, self.epoch_images = synchronized_time(self.config), 0
+            if self.steps_this_session == WARMUP_STEPS and self.config.accelerator == "cuda":
+                torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
+
+    def check_loss(self):
+        if self.first_bad >= 0:
+            where = f"at epoch {len(self.train_loss) + 1}, batch {int(self.first_bad)}"
+            fail(f"the loss is {float(self.epoch_loss)} {where}: stopping; no checkpoint or record written for it.", 1)
+
+    def checkpoint(self, epoch, model, optimizer, val_acc):
+        """After an epoch's validation: its figures, and the checkpoint to continue from."""
+        self.check_loss()
+        mean_loss = self.epoch_loss / self.batch_in_epoch
+        if self.fabric:
+            mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
+        self.train_loss.append(round(float(mean_loss), 6))
+        self.val_acc.append(val_acc)
+        self.epoch_loss, self.epoch_timer, self.batch_in_epoch = None, None, 0
+        if self.config.synthetic and len(self.train_loss) == self.config.epochs:
+            return  # a synthetic run measures: after its last epoch nothing is left to continue
+        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.config.accelerator))
+        began = time.perf_counter()
+        self.agree(self.save_checkpoint)
+        self.checkpoint_s.append(time.perf_counter() - began)
+        if self.config.accelerator == "cpu":  # a write's copy of the state is not training's memory:
+            with open("/proc/self/clear_refs", "w") as f:  # the peak resident memory starts again
+                f.write("5")
+
+    def timed_totals(self):
+        """Timed images of all processes (a tensor-parallel group's once) and the slowest process's
+        seconds, with those before a --resume."""
+        images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
+        if self.world_size > 1:
+            images = self.fabric.all_reduce(images, reduce_op="sum") / self.config.tensor_parallel
+            seconds = self.fabric.all_reduce(seconds, reduce_op="max")
+        earlier = self.earlier
+        return float(images) + earlier["timed_images"], float(seconds) + earlier["timed_seconds"]
+
+    def save_checkpoint(self):
+        name = f"epoch-{len(self.train_loss):04d}.ckpt"
+        final, partial = self.folder / name, self.folder / (name + ".tmp")
+        images, seconds = self.timed_totals()
+        train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
+        progress = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, val_acc=self.val_acc)
+        progress.update(train_time_s=train_time_s, timed_images=images, timed_seconds=seconds)
+        state = {"model": self.model, "optimizer": self.optimizer, "progress": progress, "rng": torch.get_rng_state()}
+        state |= {"scheduler": self.scheduler} if self.scheduler else {}
+        if self.last:
+            kept = f"the last good checkpoint ({self.last}) is untouched: once there is room, continue with: {resume_command()}"
+        else:
+            kept = f"no checkpoint was written yet: once there is room, start again with: {invoked(*started_flags())}"
+        try:
+            if self.fabric:
+                self.fabric.save(partial, state)
+            else:
+                torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}, partial)
+            if self.rank == 0:
+                os.replace(partial, final)
+                settings = {key: getattr(self.config, key) for key in SETTINGS}
+                latest = dict(
+                    checkpoint=name, epochs_done=len(self.train_loss), script=self.config.script, kind=self.config.kind
+                )
+                latest.update(settings=settings)
+                latest.update(flags=started_flags(), launch=launch_ids())
+                write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
+                for older in self.folder.glob("epoch-*.ckpt"):
+                    remove(older) if older.name != name else None
+        except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
+            if lost_peer(self.world_size, err):
+                raise  # not the disk: a process of the run is gone (explain says so)
+            remove(partial) if self.rank == 0 else None
+            fail(f"cannot write the checkpoint {final}: {write_error(err, final)}; {kept}.", code=1)
+        self.last = final
+
+    def load_checkpoint(self):
+        latest, c, start_over = read_json(self.folder / LATEST), self.config, self.start_over()
+        if not isinstance(latest, dict):
+            fail(f"--resume: {self.folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {start_over}")
+        path, saved = self.folder / str(latest.get("checkpoint")), latest.get("settings") or {}
+        mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}}
+        theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
+        differences = [
+            f"{key} {theirs.get(key)} (now {value})" for key, value in mine.items() if theirs.get(key) != value
+        ]
+        if differences:
+            as_started = f"continue it as started: {resume_command(latest.get('flags'))}; or {start_over}"
+            fail(f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}")
+        state = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
+        state |= {"scheduler": self.scheduler} if self.scheduler else {}
+        try:
+            if self.fabric:
+                self.fabric.load(path, state)
+            else:
+                saved_state = torch.load(path, map_location="cpu", weights_only=True)
+                for key in ("model", "optimizer", "scheduler"):
+                    state[key].load_state_dict(saved_state[key]) if key in state else None
+                state.update(progress=saved_state["progress"], rng=saved_state["rng"])
+        except Exception as err:  # a truncated or foreign file fails in many ways
+            fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")
+        progress, self.last = state["progress"], path
+        self.start_epoch, self.train_loss, self.val_acc = (
+            progress[k] for k in ("epochs_done", "train_loss", "val_acc")
+        )
+        self.earlier = {key: progress[key] for key in self.earlier}
+        return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
-        """The talk's closing lines, the model file, the run record; then the checkpoints go and a
-        multi-process run ends."""
-        self.stopping.phase = "ending"
-        totals = self.meter.totals(self.fabric, self.config.tensor_parallel, self.figures.earlier,
-                                   self.figures.training_s(train_time_s))
-        images_per_s = totals["timed_images"] / totals["timed_seconds"] if totals["timed_seconds"] else None
-        memory = gather(self.fabric, max(self.figures.peak_gb, peak_memory_gb(self.config.accelerator)))
-        state = plain_state_dict(model)  # every process takes part when the model is sharded
-        waited = max(gather(self.fabric, waiting_share(self.cpu_from)))
-        self.print(closing_lines(totals["train_time_s"], max(memory), images_per_s,
-                                 None if self.config.synthetic else test_acc, waited))
-        ran = {"cpu_wait_share": None if waited < 0 else round(waited, 4), "busy": waited > BUSY_WAIT,
-               "precision": self.precision, "precision_asked": self.precision_asked, "init": self.init,
-               "world_size": self.world_size, "parameters_per_process": self.held_parameters,
-               **techniques(model, self.optimizer, self.fabric, self.scheduler)}
-        self.stopping.phase = "finishing"  # a signal now waits until the model and the record are written
-        together(self.fabric, lambda: self._keep(state, ran, totals, images_per_s, memory, test_acc)
-                 if self.rank == 0 else None)
-        self.stopping.finished()  # a signal noted while they were written stops the run now
+        """The talk's closing lines, the model file, the run record; then the checkpoints go."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        c, test_acc = self.config, None if self.config.synthetic else test_acc
+        train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
+        images, seconds = self.timed_totals()
+        peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
         if self.world_size > 1:
-            leave(0)  # the run is done: the last line of every script
+            both = self.fabric.all_reduce(torch.tensor([peak, waited], dtype=torch.float64), reduce_op="max")
+            peak, waited = float(both[0]), float(both[1])
+        # every process takes part where the model is sharded; process 0 gets the whole state dict
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        images_per_s = images / seconds if seconds else None
+        self.print(closing_lines(train_time_s, peak, images_per_s, test_acc, waited, self.checkpoint_s))
+        measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s and round(images_per_s, 2))
+        measured.update(
+            peak_memory_gb=round(peak, 4), train_loss=self.train_loss, val_acc=self.val_acc * (not c.synthetic) or None
+        )
+        measured.update(test_acc=test_acc, busy=waited > BUSY_WAIT)
 
-    def _keep(self, state, ran, totals, images_per_s, memory, test_acc):
-        c, buffer, kept = self.config, io.BytesIO(), what_is_kept(self.config, self.checkpoints.folder)
-        torch.save(state, buffer)
-        write_atomically(c.save_model, buffer.getvalue(), then=kept)
-        record = build(c, self.fabric, ran, self.figures, totals, images_per_s, memory, test_acc,
-                       model_sha256=sha256(buffer.getvalue()))
-        append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
-        self.checkpoints.remove_all()
-        self.print(last_lines(c, self.init))
+        def keep():
+            if self.rank == 0:
+                if c.synthetic:
+                    kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {invoked(*started_flags())}"
+                else:
+                    kept = f"the checkpoint of the finished training is kept in {self.folder}: finish with: {resume_command()}"
+                write_atomically(c.save_model, torch_bytes(state), then=kept)
+                compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
+                record = build(c, self.fabric, compiled, measured)
+                append_record(c.results, record, then=f"The model is in {c.save_model}; {kept}.")
+                for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
+                    remove(checkpoint)
+                self.print(*last_lines(c, self.init))
 
+        signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_ON_SIGNAL)  # a signal waits until they are written
+        try:
+            self.agree(keep)
+            self.finished = True
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, EXIT_ON_SIGNAL)
 
-class Figures:
-    """The run's figures so far, kept in each checkpoint and restored by --resume."""
-
-    def __init__(self):
-        self.epochs_done, self.batches_loaded, self.optimizer_steps, self.resumed = 0, 0, 0, False
-        self.train_loss, self.val_acc, self.lr, self.checkpoint_s = [], [], [], []
-        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
-        self.peak_gb = 0.0
-
-    def count(self, stepped):
-        self.batches_loaded += 1
-        self.optimizer_steps += stepped
-
-    def training_s(self, elapsed_s):
-        """The talk's time out of `elapsed_s` of the loop: less the checkpoint writes, which the talk
-        never made."""
-        return elapsed_s - sum(self.checkpoint_s)
-
-    def end_epoch(self, mean_loss, val_acc, lr):
-        self.train_loss.append(mean_loss)
-        self.val_acc.append(val_acc)
-        self.lr.append(lr)
-        self.epochs_done += 1
-
-    def progress(self, totals, partial=None):
-        return {"epochs_done": self.epochs_done, "batches_done": partial["batches"] if partial else 0,
-                "batches_loaded": self.batches_loaded, "optimizer_steps": self.optimizer_steps,
-                "train_loss": self.train_loss, "val_acc": self.val_acc, "lr": self.lr, **totals, "partial": partial}
-
-    def restore(self, progress):
-        self.epochs_done, self.resumed = progress["epochs_done"], True
-        # a checkpoint written before these two were told apart: "steps", the batches loaded
-        self.batches_loaded = progress.get("batches_loaded", progress.get("steps", 0))
-        self.optimizer_steps = progress.get("optimizer_steps", self.batches_loaded)
-        self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
-        self.earlier = {k: progress[k] for k in self.earlier}
-
-
-class Stopping:
-    """Ctrl-C and SIGTERM, and the errors a user can act on. In training a signal is carried out after
-    the next optimizer step, with a checkpoint (`saved`); while the finished run writes its model
-    and record, once they are written; otherwise, or at a second signal, at once."""
-
-    def __init__(self, config, rank, world_size, checkpoints):
-        self.config, self.rank, self.world_size, self.checkpoints = config, rank, world_size, checkpoints
-        self.phase = "starting"  # then training, ending (its last lines), finishing (model and record), finished
-        self.wanted, self.signal = 0, None
-        for sig in EXIT_CODES:
-            signal.signal(sig, lambda signum, frame: self.on_signal(signum))
-        sys.excepthook = self.on_uncaught
-
-    def on_signal(self, signum):
-        if self.phase in ("training", "finishing") and not self.wanted:
-            self.wanted, self.signal = EXIT_CODES[signum], signum
-            return
-        self.stop_now(signum)
-
-    def saved(self, code, seconds):
-        name = signal.Signals(self.signal or code - 128).name
-        self.stopped(f"interrupted ({name}); saved {self.checkpoints.last} in {seconds:.1f} s; "
-                     f"continue with: {resume_command()}", code)
-
-    def finished(self):
-        self.phase = "finished"
-        if self.wanted:
-            self.stop_now(self.signal)
-
-    def stop_now(self, signum):
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    def interrupted_line(self, signum):
         name, c = signal.Signals(signum).name, self.config
-        if self.phase == "finished":  # whole and written; the interpreter may be shutting down: at once
-            self.stopped(f"interrupted ({name}) after the run finished: its record is in "
-                         f"{c.results} and its model in {c.save_model}.", EXIT_CODES[signum], at_once=True)
-        last = self.checkpoints.last
-        where = (f"last checkpoint: {last}; continue with: {resume_command()}" if last else
-                 "no checkpoint yet (one is written after each epoch, and where the run is when it "
-                 "is stopped in training)")
-        self.stopped(f"interrupted ({name}); {where}", EXIT_CODES[signum])
-
-    def stopped(self, message, code, at_once=False):
-        """Process 0 says why the run stops; every process lets go and leaves with `code`."""
-        if self.rank == 0:
-            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
-        leave(code, at_once)
-
-    def on_uncaught(self, kind, err, traceback):
-        """The errors explain() knows: one line and its exit code; anything else: the usual traceback."""
-        said = explain(kind, err, self.config, self.rank, self.world_size, self.checkpoints.last)
-        if said is None:
-            return sys.__excepthook__(kind, err, traceback)
-        message, code = said
-        print(f"{self.config.script}: error: {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        clean_up()
-        os._exit(code)  # an excepthook cannot choose the exit code otherwise
+        if self.finished:
+            return f"interrupted ({name}) after the run finished: its record is in {c.results} and its model in {c.save_model}."
+        done, lost = len(self.train_loss), self.batch_in_epoch
+        losing = f"; the {lost} batches of epoch {done + 1} trained since are not kept" if lost else ""
+        if self.last:
+            held = f"the last checkpoint, {self.last}, holds {done} of {c.epochs} epochs{losing}"
+            return f"interrupted ({name}); {held}; continue with: {resume_command()}"
+        return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
 
-def what_is_kept(config, folder):
-    """What a finished run keeps where its model or record cannot be written, and how to go on."""
-    if config.synthetic:
-        return ("a synthetic run keeps no checkpoint of its last epoch: once there is room, run it again "
-                f"with: {invoked(*started_flags())}")
-    return (f"the checkpoint of the finished training is kept in {folder}: once there is room, finish the "
-            f"run with: {resume_command()}")
+def explain(error, config, rank, world_size, last_checkpoint):
+    """(one line, exit code) for an error a user can act on, or None: torch.compile without its
+    compiler (2) or failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
+    reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
+    if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
+        inner = error
+        while getattr(inner, "inner_exception", None) or inner.__cause__:  # Dynamo wraps the backend's
+            inner = getattr(inner, "inner_exception", None) or inner.__cause__
+        without = "or run without compiling (01 is 02 without it; 09 compiles on a CPU only with --compile-on-cpu)"
+        if re.search(NO_COMPILER, f"{type(inner).__name__} {inner} {error}", re.I):
+            needs = "gcc for Triton's launcher (or point CC at one)" if config.accelerator == "cuda" else "g++ (or CXX)"
+            return f"error: torch.compile could not compile the model ({reason}): install {needs}; {without}.", 2
+        return f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}); {without}.", 1
+    if isinstance(error, torch.OutOfMemoryError):
+        return (
+            f"error: the GPU ran out of memory at --batch-size {config.batch_size} ({first_line(reason, 160)}): "
+            "try a smaller --batch-size.",
+            1,
+        )
+    if lost:
+        peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))
+        which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
+        go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every machine is back"
+        go_on = go_on if last_checkpoint else "no checkpoint was written yet: start it again"
+        return (
+            f"error: a process of the run was lost{which}: a machine died, or a process was killed "
+            f"({lost.group(0)}). Process {rank} of {world_size} stops too; {go_on}.",
+            3,
+        )
+    return None
 
 
-def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited=0.0):
-    """The talk's closing lines, ours (throughput, accuracy) and one where the run had to share the
-    CPU."""
-    busy = [f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another "
-            "program was using the cores): its time and throughput are not comparable"]
-    return "\n".join([f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB",
-                      f"Throughput {images_per_s:.1f} training images/s" if images_per_s else
-                      f"Throughput not measured: no step was timed (a run's first {WARMUP_STEPS} "
-                      "optimizer steps and each epoch's first are not)",
-                      "Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"]
-                     + busy * (waited > BUSY_WAIT))
+def lost_peer(world_size, error):
+    return world_size > 1 and isinstance(error, RuntimeError) and re.search(LOST_PEER, str(error), re.I)
 
 
-def resumed_epoch_line(first_batch, batches):
-    return (f"(Train acc. above: batches {first_batch}-{batches - 1} of this epoch, since the --resume; "
-            "the loss and validation cover the whole epoch)")
+class FolderLock:
+    """A run's hold on its folder: an flock on its .lock, which names the holder for a run it refuses."""
+
+    def __init__(self, folder):
+        self.path = Path(folder) / ".lock"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip() or "another process"
+                fail(
+                    f"a run is in progress in {folder} ({holder}): wait for it, or give this one another --checkpoint-dir."
+                )
+            if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                break  # not a .lock that the run before removed as this one opened it
+            os.close(self.fd)
+        since = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
+        os.write(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode())
+
+    def release(self):
+        remove(self.path)
+        os.close(self.fd)
 
 
-def last_lines(config, init):
-    c = config
-    return "\n".join([*([kind_line(c, init)] if c.kind else []),
-                      *([f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 "
-                         "leave it out unless asked."] if not c.whole else []),
-                      f"Run record appended to {c.results}; finetuned model saved to {c.save_model}"])
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
 
 
-def opening_notes(config, init, model):
-    """Said before training: what a smoke or synthetic run is, and that a CPU has no CUDA graphs (16)."""
-    notes = [kind_line(config, init)] if config.kind else []
-    if compile_mode(model) == "reduce-overhead" and config.accelerator != "cuda":
-        notes.append(f"This {device_name(config.accelerator)} has no CUDA graphs: torch.compile(mode=\"reduce-"
-                     "overhead\") compiles the model and runs it without them (on a GPU it records each step's "
-                     "kernels once and replays them)")
-    return notes
+def remove(path):
+    if Path(path).is_dir():
+        shutil.rmtree(path)
+    else:
+        Path(path).unlink(missing_ok=True)
+
+
+def write_error(error, path):
+    """Why a write failed: the system's word, or that the disk is full where torch gives none."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    full = shutil.disk_usage(Path(path).parent).free < 64 * 2**20
+    return "No space left on device" if full else first_line(error) or type(error).__name__
+
+
+def torch_bytes(state):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def launch_ids():
+    """What started this process: a requeued SLURM job or a torchrun restart has the same ids."""
+    env = os.environ
+    return {"slurm_job_id": env.get("SLURM_JOB_ID"), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
+
+
+def restart_reason(latest):
+    """Why this process is the run that wrote `latest`, started again by its launcher, or None: a
+    user at a terminal is not let into an unfinished run without --resume."""
+    env, launch = os.environ, latest.get("launch") or {}
+    if int(env.get("SLURM_RESTART_COUNT", "0")) > 0 and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
+        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {env['SLURM_RESTART_COUNT']})"
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts > 0 and env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
+        return f"torchrun restarted its workers (restart {restarts})"
+    return None
+
+
+def synchronized_time(config):
+    if config.accelerator == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def cpu_times():
+    """(seconds run, seconds waited for a core) of the calling thread, the one that computes
+    (Linux's schedstat; None elsewhere). Over all threads the run's own helpers would count too."""
+    try:
+        ran, waited = Path("/proc/thread-self/schedstat").read_text().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
+def waiting_share(since):
+    """The share of its ready time since `since` the thread waited for a core; -1 if unknown."""
+    now = cpu_times()
+    if now is None or since is None:
+        return -1.0
+    ran, waited = now[0] - since[0], now[1] - since[1]
+    return waited / (waited + ran) if waited + ran > 0 else 0.0
+
+
+def opening_line(fabric, rank, world_size):
+    env = os.environ
+    cluster = type(fabric.strategy.cluster_environment).__name__ if world_size > 1 else None
+    by = {
+        "SLURMEnvironment": f"SLURM (job {env.get('SLURM_JOB_ID')}, srun task {env.get('SLURM_PROCID')})",
+        "TorchElasticEnvironment": f"torchrun (node {env.get('GROUP_RANK', '0')}, local rank {env.get('LOCAL_RANK')})",
+    }.get(cluster, "Lightning, which started this machine's processes itself" if world_size > 1 else None)
+    if env.get("SLURM_JOB_NAME") in INTERACTIVE and cluster != "SLURMEnvironment":
+        job, name = env.get("SLURM_JOB_ID"), env["SLURM_JOB_NAME"]
+        by = (by or "you") + f", inside SLURM job {job}, whose name {name!r} makes Lightning ignore SLURM"
+    return f"Process {rank} of {world_size}, started by {by}." if by else "One process, started without a launcher."
 
 
 def kind_line(config, init):
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
-    return (f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}. "
-            f"Not the talk's experiment; its figures are not the talk's.{config.batch_note}")
+    return (
+        f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}. "
+        f"Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
+    )
 
 
-def explain(kind, err, config, rank, world_size, last_checkpoint):
-    """(one line, exit code) for an error a user can act on, or None: torch.compile without its
-    compiler (2) or failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
-    reason, lost = first_sentence(err) or kind.__name__, lost_peer(world_size, err)
-    if kind.__module__.startswith(("torch._dynamo", "torch._inductor")):
-        inner = err
-        while getattr(inner, "inner_exception", None) or inner.__cause__:  # Dynamo wraps the backend's
-            inner = getattr(inner, "inner_exception", None) or inner.__cause__
-        without = ("run without compiling: python 01_pytorch-vit.py is 02 without it, and 09 compiles "
-                   "on a CPU only with --compile-on-cpu.")
-        said = f"{type(inner).__name__}: {first_sentence(inner) or type(inner).__name__}"
-        if NO_COMPILER.search(f"{type(inner).__name__} {inner} {err}"):
-            return (f"torch.compile could not compile the model ({reason}). "
-                    f"{COMPILERS.get(config.accelerator, COMPILERS['cpu'])}; or {without}"), 2
-        return f"torch.compile failed ({said}); {without}", 1
-    if issubclass(kind, torch.OutOfMemoryError):
-        return (f"the GPU ran out of memory at --batch-size {config.batch_size} "
-                f"({first_sentence(reason, 160)}): try a smaller --batch-size."), 1
-    if lost:
-        peer = re.search(r"\[([^\]]+)\]:(\d+)", str(err))
-        which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
-        where = (f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once "
-                 "every machine is back" if last_checkpoint else "no checkpoint was written yet: start it again")
-        return (f"a process of the run was lost{which}: a machine died, or a process was killed "
-                f"({lost.group(0)}). Process {rank} of {world_size} stops too; {where}."), 3
+def no_cuda_graphs_line(config):
+    if config.compile_mode == "reduce-overhead" and config.accelerator != "cuda":
+        return (
+            f'This {device_name(config.accelerator)} has no CUDA graphs: torch.compile(mode="reduce-overhead") '
+            "compiles the model and runs it without them (on a GPU it records each step's kernels once and "
+            "replays them)"
+        )
     return None
 
 
-class StepMeter:
-    """Per batch, without waiting for the GPU: the epoch's loss sum, its first bad loss (read only at
-    the print points and the epoch's end) and the timed steps. Timing starts after WARMUP_STEPS
-    optimizer steps, so Adam's first step is never timed."""
-
-    def __init__(self, cuda, micro_batches=1):
-        self.cuda, self.micro_batches = cuda, micro_batches
-        self.steps_per_epoch = None       # batches, set once the loader is known
-        self.timed_images, self.timed_seconds = 0, 0.0
-        self.session_steps = 0            # optimizer steps since this process started (after --resume too)
-        self.began = self.warmup_s = None  # the loop's start; its untimed first steps' seconds (a first compile's too)
-        self.epoch = None                 # the figures of the epoch under way
-
-    def start(self, steps_per_epoch):
-        self.steps_per_epoch, self.began = steps_per_epoch, time.perf_counter()
-        return time.time()
-
-    def step(self, loss, batch_size, lr, epoch_number):
-        """Add the loss and note a bad one, on the device; time every step but the warm-up and each
-        epoch's first. Returns whether this batch ended an optimizer step."""
-        loss = loss.detach().float()
-        if self.epoch is None:  # the epoch's first batch
-            zero = torch.zeros((), device=loss.device)
-            self.epoch = {"batches": 0, "loss": zero, "index": zero.clone(), "bad": zero - 1,
-                          "bad_loss": zero.clone(), "timer": None, "timed": 0, "lr": lr}
-        e = self.epoch
-        first_bad = ~torch.isfinite(loss) & (e["bad"] < 0)
-        e["bad"] = torch.where(first_bad, e["index"], e["bad"])
-        e["bad_loss"] = torch.where(first_bad, loss, e["bad_loss"])
-        e["loss"], e["index"] = e["loss"] + loss, e["index"] + 1
-        e["batches"] += 1
-        stepped = e["batches"] % self.micro_batches == 0
-        self.session_steps += stepped
-        if e["batches"] % PRINT_EVERY == 1:
-            self.stop_on_bad_loss(epoch_number)
-        if e["timer"] is not None:
-            e["timed"] += batch_size
-        if e["batches"] == self.steps_per_epoch and e["timer"] is not None:
-            self.timed_images += e["timed"]
-            self.timed_seconds += self.now() - e["timer"]
-        elif e["timer"] is None and stepped and self.session_steps >= WARMUP_STEPS:
-            e["timer"] = self.now()
-            if self.warmup_s is None:
-                self.warmup_s = e["timer"] - self.began
-            if self.session_steps == WARMUP_STEPS and self.cuda:
-                torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
-        return stepped
-
-    def totals(self, fabric, tensor_parallel, earlier, train_time_s):
-        """Timed images of all processes (a tensor-parallel group's once), the slowest process's
-        seconds and the training time, each with the part before a --resume (`earlier`)."""
-        images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
-        if fabric and fabric.world_size > 1:
-            images = fabric.all_reduce(images, reduce_op="sum") / tensor_parallel
-            seconds = fabric.all_reduce(seconds, reduce_op="max")
-        return {"timed_images": float(images) + earlier["timed_images"], "warmup_s": self.warmup_s,
-                "timed_seconds": float(seconds) + earlier["timed_seconds"],
-                "train_time_s": earlier["train_time_s"] + train_time_s}
-
-    def partial(self, fabric=None):
-        """The epoch so far, for a mid-epoch checkpoint: of several processes, the mean of their loss
-        sums (the epoch's mean loss is linear in them)."""
-        e = self.epoch
-        if fabric and fabric.world_size > 1:
-            return {**self.partial(), "loss": float(fabric.all_reduce(e["loss"].float().cpu(), reduce_op="mean"))}
-        return {"batches": e["batches"], "lr": e["lr"],
-                **{k: float(e[k]) for k in ("loss", "index", "bad", "bad_loss")}}
-
-    def restore(self, partial):
-        device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        self.epoch = {**{k: torch.tensor(partial[k], device=device) for k in ("loss", "index", "bad", "bad_loss")},
-                      "batches": partial.get("batches", partial.get("steps")), "lr": partial["lr"],
-                      "timer": None, "timed": 0}
-
-    def end_epoch(self, epoch_number):
-        """The epoch's mean loss (on the CPU) and its learning rate; stops on a bad loss."""
-        self.stop_on_bad_loss(epoch_number)
-        e, self.epoch = self.epoch, None
-        return (e["loss"] / e["batches"]).cpu(), e["lr"]
-
-    def now(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    def stop_on_bad_loss(self, epoch_number):
-        bad = int(self.epoch["bad"]) if self.epoch else -1
-        if bad >= 0:
-            fail(f"the loss is {float(self.epoch['bad_loss'])} at epoch {epoch_number}, batch "
-                 f"{bad}: stopping; no checkpoint or record written for it.", code=1)
+def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited, checkpoint_s):
+    """The talk's closing lines, ours (throughput, accuracy), and one where the run had to share the CPU."""
+    lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB"]
+    untimed = f"(a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed)"
+    lines.append(
+        f"Throughput {images_per_s:.1f} training images/s" if images_per_s else f"Throughput not measured {untimed}"
+    )
+    lines.append("Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%")
+    if checkpoint_s:
+        lines.append(f"Checkpoints: {len(checkpoint_s)} written in {sum(checkpoint_s):.1f} s, not in the time above")
+    if waited > BUSY_WAIT:
+        lines.append(
+            f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another "
+            "program was using the cores): its time and throughput are not comparable"
+        )
+    return "\n".join(lines)
 
 
-def scheduler_of(optimizer):
-    """The learning-rate scheduler made on `optimizer`, or None, found among the optimizer's referrers
-    (a scheduler keeps its optimizer, not the reverse), so that 07's lesson needs no line to hand it
-    over. Of a SequentialLR or ChainedScheduler, the outer one."""
-    import gc
-    from torch.optim.lr_scheduler import LRScheduler
-    inner = getattr(optimizer, "optimizer", optimizer)  # Fabric's wrapper, or the optimizer itself
-    found = []
-    for referrer in gc.get_referrers(optimizer, inner):
-        owners = gc.get_referrers(referrer) if isinstance(referrer, dict) else [referrer]  # an instance's __dict__
-        found += [o for o in owners if isinstance(o, LRScheduler) and o.optimizer in (optimizer, inner)]
-    nested = {id(s) for outer in found for s in getattr(outer, "_schedulers", [])}
-    outer = [s for s in found if id(s) not in nested]
-    return outer[0] if outer else None
+def last_lines(config, init):
+    lines = [kind_line(config, init)] if config.kind else []
+    if not config.whole:
+        cut = f"CUT SHORT by --max-steps {config.max_steps}: recorded as such; plot_results.py and 08 leave it out"
+        lines.append(cut + " unless asked.")
+    return lines + [f"Run record appended to {config.results}; finetuned model saved to {config.save_model}"]

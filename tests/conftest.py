@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from run_keeping.config import lessons  # noqa: E402
-from run_keeping.files import read_records  # noqa: E402  (the records as the scripts wrote them)
+from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)
 
 
 def pytest_configure(config):
@@ -37,9 +37,9 @@ def pytest_configure(config):
 
 @functools.lru_cache(maxsize=None)
 def native_bf16():
-    """Whether this CPU has native bfloat16 (run_keeping/processes.py), as the scripts run here see
+    """Whether this CPU has native bfloat16 (run_keeping/config.py), as the scripts run here see
     it (ONEDNN_MAX_CPU_ISA in the environment rehearses a CPU without)."""
-    from run_keeping.processes import native_bf16 as native
+    from run_keeping.config import native_bf16 as native
     return native("cpu")
 
 

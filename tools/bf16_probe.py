@@ -1,5 +1,5 @@
 """How fast this CPU multiplies matrices in bfloat16 against float32, on one thread, and whether
-the suite takes it for native bfloat16 (run_keeping/processes.py): one JSON line. Run it with
+the suite takes it for native bfloat16 (run_keeping/config.py): one JSON line. Run it with
 ONEDNN_MAX_CPU_ISA=AVX2 to see a CPU without AVX512-BF16 or AMX, on any CPU.
 
     python tools/bf16_probe.py          # {"native": true, "bf16_gflops": ..., "fp32_gflops": ...}
@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from run_keeping.processes import device_name, native_bf16  # noqa: E402
+from run_keeping.config import device_name, native_bf16  # noqa: E402
 
 SIZE = 512
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from run_keeping.files import markdown_table, read_records  # noqa: E402
-from run_keeping.record import read_runs  # noqa: E402
+from benchmarks.reports import markdown_table  # noqa: E402
+from run_keeping.record import read_records, read_runs  # noqa: E402
 from run_keeping.config import VITS, lessons  # noqa: E402
 
 REFERENCE = ROOT / "reference"

@@ -1,0 +1,96 @@
+"""Reading a run's outputs back, for 08 and the tools: the records of a --results file (read_runs
+brings an older record up to this version), the record that saved a model file, and the model file
+itself, each with one line for what is wrong with it.
+"""
+
+import json
+from pathlib import Path
+
+from run_keeping.config import fail
+from run_keeping.record import REQUIRED, VERSION, why_unloadable
+
+
+def whole(record):
+    """A result, not a debugging run: not cut short by --max-steps (a synthetic run always is)."""
+    return record["max_steps"] is None or "synthetic" in record["kind"]
+
+
+def upgrade(record):
+    """A record as this version writes it: the fields it kept under their names, None for each it
+    lacks; an older record's other fields stay."""
+    old = dict(record)
+    if "steps" in old:  # version 1 counted the batches loaded as "steps"
+        old["batches_loaded"] = old.pop("steps")
+    if not old.get("kind"):  # the first records: the kind from the flags
+        old["kind"] = "-".join(k for k in ("smoke", "synthetic") if old.get(k)) or "full"
+    if "compile_mode" not in old:  # version 1 compiled with torch.compile's default, or not
+        old["compile_mode"] = "default" if old.get("compiled") else None
+    if old.get("whole") is False and old.get("max_steps") is None:  # cut short, said otherwise
+        old["max_steps"] = int((old.get("cut_short_by") or "0").split()[-1]) or None
+    return {**dict.fromkeys(REQUIRED), **old, "record_version": VERSION}
+
+
+def read_records(path, skip=None, numbered=False):
+    """The JSON objects of a JSONL file; a bad line raises ValueError, or is passed to skip(line, why)."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            if skip is None:
+                raise
+            skip(number, "not a JSON object" if "JSON object" in str(err) else "not JSON")
+            continue
+        records.append((number, record) if numbered else record)
+    return records
+
+
+def read_runs(path, skip=None, numbered=False):
+    return [(n, upgrade(r)) if numbered else upgrade(r) for n, r in read_records(path, skip, numbered=True)]
+
+
+def record_of(model_file, results):
+    """The newest record in `results` that saved its model to `model_file`, or None."""
+    try:
+        records = read_runs(results)
+    except (OSError, ValueError):
+        return None
+    wanted = Path(model_file).resolve()
+    return next((r for r in reversed(records) if r["model_file"] and Path(r["model_file"]).resolve() == wanted), None)
+
+
+def load_model_file(model, path):
+    """A finetuned model file into `model`, or one line saying what is wrong with it, exit 2."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        fail(f"no model file {path}: a finished training run writes one (see --save-model).")
+    except Exception as err:
+        fail(f"{path} is not a readable model file: {why_unloadable(err)}.")
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        fail(f"{path} is not a model file of this suite (not a state dict of tensors).")
+    own = model.state_dict()
+    missing, extra = own.keys() - state.keys(), state.keys() - own.keys()
+    shapes = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
+    if missing or extra or shapes:
+        width = state.get("conv_proj.weight", torch.empty(0)).shape[:1]
+        kind = {(128,): "the small --smoke ViT", (768,): "ViT-B/16"}.get(tuple(width), "another model")
+        parts = [f"{len(missing)} of the model's tensors missing"] if missing else []
+        parts += [f"{len(extra)} tensors the model has no place for"] if extra else []
+        if shapes:
+            key = "conv_proj.weight" if "conv_proj.weight" in shapes else shapes[0]
+            show = "x".join(map(str, state[key].shape)), "x".join(map(str, own[key].shape))
+            parts.append(f"{len(shapes)} of another shape, {key} {show[0]} in the file against {show[1]} here")
+        fail(
+            f"{path} holds {kind}, which does not fit the model built here ({', '.join(parts)}). Add or drop "
+            "--smoke to match the run that made it."
+        )
+    if state["heads.head.weight"].shape[0] != 10:
+        fail(f"{path} has {state['heads.head.weight'].shape[0]} outputs, not 10.")
+    model.load_state_dict(state)
