@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks import memory, peaks, throughput
-from benchmarks.runs import SCRIPTS, SOME_FAILED
+from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range
 from benchmarks.reports import chart_command, write_report
 from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, whole_number
 
@@ -30,10 +30,12 @@ def parse_args(argv=None):
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
+    talk, sequel = (" ".join(memory.chain(table)) for table in ("talk", "sequel"))  # lessons.csv's memory_chain
+    several = " ".join(n for n, script in SCRIPTS.items() if process_range(script)[0])  # lessons.csv's devices
     add("--scripts", nargs="+", default=None, metavar="NN[@B]", help="scripts by number, @B for "
         "another batch (default: every one that trains but 00, which is 01 from random init; --smoke: "
-        f"{' '.join(throughput.SMOKE_SCRIPTS)}, the talk's lessons on one device; --memory --talk: 01-07 "
-        "and 10; --sequel: 04 and 11-15)")
+        f"{' '.join(throughput.SMOKE_SCRIPTS)}, the talk's lessons on one device; --memory --talk: {talk}; "
+        f"--sequel: {sequel})")
     add("--batch-size", type=whole_number(1), default=None, metavar="N",
         help="per process, where NN@B does not say (default 16; 09: 128)")
     add("--max-steps", type=whole_number(WARMUP_STEPS + 1), default=None, metavar="N",
@@ -41,8 +43,8 @@ def parse_args(argv=None):
         f"{throughput.STEPS['full']}; --smoke: {throughput.STEPS['smoke']}, whose steps take milliseconds)")
     add("--repeat", type=whole_number(1, 100), default=None, metavar="N",
         help=f"rounds of every configuration, interleaved (default {throughput.REPEAT}): the median and its spread")
-    add("--devices", type=whole_number(1, 64), default=1, metavar="N", help="processes for 05-07 "
-        "(default 1: DDP and FSDP2 still run) and 10 (at least its 2 tensor-parallel processes)")
+    add("--devices", type=whole_number(1, 64), default=1, metavar="N", help=f"processes for {several} "
+        "(default 1: DDP and FSDP2 still run; a lesson that needs more, as 10's tensor parallelism, takes its least)")
     add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"])
     add("--results", default="results/benchmark.jsonl", metavar="FILE",
         help="where the scripts append their records")

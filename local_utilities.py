@@ -60,15 +60,10 @@ def get_dataloaders(args):
         train, val, test = cifar10_datasets(args.data_dir, download=not args.no_download)
     if args.max_steps:
         train = Subset(train, range(min(len(train), args.max_steps * args.batch_size * args.data_parallel)))
-    common = dict(
-        batch_size=args.batch_size // args.micro_batches,
-        num_workers=0 if (args.smoke or args.synthetic) else args.num_workers,
-    )
-    return (
-        DataLoader(train, shuffle=True, drop_last=True, **common),
-        DataLoader(val, shuffle=False, **common),
-        DataLoader(test, shuffle=False, **common),
-    )
+    workers = 0 if args.smoke or args.synthetic else args.num_workers  # their data are in memory
+    common = dict(batch_size=args.batch_size // args.micro_batches, num_workers=workers)
+    train_loader = DataLoader(train, shuffle=True, drop_last=True, **common)
+    return train_loader, DataLoader(val, shuffle=False, **common), DataLoader(test, shuffle=False, **common)
 
 
 def cifar10_datasets(data_dir, download=True):
@@ -83,17 +78,16 @@ def cifar10_datasets(data_dir, download=True):
         test = CIFAR10(root=data_dir, train=False, transform=talk_transforms(), download=download)
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
         fail(
-            f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and "
-            f"--no-download was given. Download {CIFAR10_URL}, unpack it there, or drop "
-            "--no-download."
+            f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given. "
+            f"Download {CIFAR10_URL}, unpack it there, or drop --no-download."
         )
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
         if created:  # the folders this run made (and the partial download in them): gone again
             shutil.rmtree(created[-1], ignore_errors=True)
+        why = getattr(err, "reason", None) or err.strerror or err
         fail(
-            f"CIFAR-10 is not in {where} and could not be downloaded "
-            f"({getattr(err, 'reason', None) or err.strerror or err}). On a machine with "
-            f"internet, download {CIFAR10_URL} and unpack it into {where}."
+            f"CIFAR-10 is not in {where} and could not be downloaded ({why}). On a machine with internet, download "
+            f"{CIFAR10_URL} and unpack it into {where}."
         )
     num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
@@ -130,12 +124,8 @@ def synthetic_datasets(args, device=None):
         labels = torch.randint(0, NUM_CLASSES, (held,), generator=g)
         return TensorDataset(images, labels) if device is None else Cycled(images.to(device), labels.to(device), n)
 
-    train = args.max_steps * per_step
-    return (
-        make(train, train if device is None else per_step),
-        make(args.data_parallel, args.data_parallel),
-        make(args.data_parallel, args.data_parallel),
-    )
+    train, each = args.max_steps * per_step, args.data_parallel  # to evaluate: one image a process
+    return make(train, train if device is None else per_step), make(each, each), make(each, each)
 
 
 class Cycled(torch.utils.data.Dataset):
@@ -161,15 +151,8 @@ def smoke_vit():
     printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(
-        image_size=SMOKE_IMAGE_SIZE,
-        patch_size=8,
-        num_layers=3,
-        num_heads=4,
-        hidden_dim=128,
-        mlp_dim=256,
-        num_classes=NUM_CLASSES,
-    )
+    shape = dict(image_size=SMOKE_IMAGE_SIZE, patch_size=8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256)
+    return VisionTransformer(**shape, num_classes=NUM_CLASSES)
 
 
 def build_vit(weights, args):

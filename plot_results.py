@@ -19,7 +19,7 @@ from pathlib import Path
 
 from benchmarks.reports import chart_command
 from run_keeping.config import Parser, check_path, fail, lessons
-from run_keeping.record import read_runs, upgrade
+from run_keeping.reading import precision_asked, read_runs, upgrade, whole
 
 ROOT = Path(__file__).resolve().parent
 BASELINE = "01_pytorch-vit.py"
@@ -108,8 +108,8 @@ def select(records, kind, everything=False):
     """(kind, runs, what was left out): the runs of the asked kind (or the first that exists), the
     latest per script, configuration and seed, summarised per script and configuration; runs cut
     short by --max-steps only with `everything`."""
-    left_out = [] if everything else [r for r in records if not r["whole"]]
-    records = [r for r in records if everything or r["whole"]]
+    left_out = [] if everything else [r for r in records if not whole(r)]
+    records = [r for r in records if everything or whole(r)]
     for chosen in [kind] if kind else KINDS:
         runs = {}
         for record in records:  # later lines are later runs
@@ -118,7 +118,7 @@ def select(records, kind, everything=False):
         if runs:
             if not kind and chosen != "full":
                 warn(f"no full runs found: showing {chosen} runs (not comparable to the talk)")
-            notes = [f"left out, cut short by {r['cut_short_by'] or '--max-steps'} (a debugging run, not a "
+            notes = [f"left out, cut short by --max-steps {r['max_steps']} (a debugging run, not a "
                      f"result; --all includes it): {r['script']} seed {r['seed']}"
                      for r in left_out if r["kind"] == chosen]
             latest = {key: summarise(list(by_seed.values())) for key, by_seed in sorted(runs.items(), key=order)}
@@ -180,7 +180,7 @@ def differences(record, reference):
     """What a run did otherwise than the talk's run of its script."""
     talk = reference.get(record["script"], {})
     found = []
-    if record["precision_asked"] and record["precision"] != record["precision_asked"]:
+    if record["precision"] and record["precision"] != precision_asked(record):
         found.append(f"ran {record['precision']}")
     if record["batch_size"] and record["batch_size"] != 16:
         found.append(f"batch {record['batch_size']}")
@@ -212,7 +212,7 @@ def table(latest, reference, kind, notes=()):
         ratio = speedup(r, baseline_of(key, latest))
         if ratio is None and script != BASELINE:
             unformed.append(script[:2])
-        settings = ", ".join([r["init"] or "", *differences(r, reference)]).strip(", ") or "-"
+        settings = ", ".join([init_of(r, reference), *differences(r, reference)]).strip(", ") or "-"
         lines.append(
             f"{script:<34} {r['train_time_s'] / 60:>9.2f} {show(t['time_min'], '{:.2f}'):>7} "
             f"{acc:>7} {show(t['test_acc_pct'], '{:.2f}'):>7} {r['peak_memory_gb']:>7.2f} "
@@ -229,11 +229,18 @@ def table(latest, reference, kind, notes=()):
     return "\n".join(lines)
 
 
+def init_of(record, reference):
+    """What a run's model started from: random init where it is synthetic or its lesson says so (00), else its
+    pretrained weights (ImageNet's, or the smoke ViT's printed digits)."""
+    if "synthetic" in record["kind"] or "random init" in reference[record["script"]]["technique"]:
+        return "random init"
+    return "pretrained on printed digits" if "smoke" in record["kind"] else "ImageNet-pretrained"
+
+
 def short_label(record, reference):
     script = record["script"]
     technique = reference[script]["technique"].split(", stepped")[0].replace(", ImageNet-pretrained", "")
-    init = (record["init"] or "").split(",")[0]
-    init = "" if init in technique else init  # 00's technique says it already
+    init = "" if "random init" in technique else init_of(record, reference)  # 00's technique says it already
     lines = [script[:2], textwrap.fill(technique, 15), *([textwrap.fill(init, 15)] if init else []),
              *differences(record, reference)]
     return "\n".join(lines)
@@ -307,7 +314,8 @@ def headline_of(latest, kind, fig):
         headline += ("\n(a 3-layer ViT on 8x8 handwritten digits, from what each label says it "
                      "started from; on a CPU, memory is the process's peak resident memory)")
     if kind == "full":
-        headline += "\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for 05-07)"
+        several = ", ".join(s[:2] for s, row in lessons().items() if row["time_min"] and row["devices"] > 1)
+        headline += f"\nTalk (hatched): its published runs on its GPUs (1 GPU; 4 GPUs for {several})"
     busy = sorted(r["script"][:2] for r in latest.values() if r["busy"])
     if busy:
         headline += f"\nBUSY (another program shared the CPU; times not comparable): {', '.join(busy)}"

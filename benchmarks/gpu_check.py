@@ -19,14 +19,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 # (name, kind, title, settings): the check, in order of value.
+# A title's {lessons} are the lessons lessons.csv gives the stage (its gpu_check column).
 STAGES = [
-    ("headline", "throughput", "The talk's speed lesson at its batch: 01, 04 and 16 (CUDA graphs), each "
-     "beside its bare loop", {"batch": 16, "rounds": 2}),
-    ("fast", "throughput", "The fast recipe: 09 at batch 128 beside its bare loop (images/s, MFU, its "
-     "first steps with the compile)", {"batch": 128, "rounds": 1}),
+    ("headline", "throughput", "The talk's speed lesson at its batch: {lessons}, each beside its bare loop",
+     {"batch": 16, "rounds": 2}),
+    ("fast", "throughput", "The fast recipe: {lessons} at batch 128 beside its bare loop (images/s, MFU)",
+     {"batch": 128, "rounds": 1}),
     ("input", "input", "The talk's input pipeline: its PIL loader at 4, 8 and 16 workers",
      {"workers": [4, 8, 16], "images": {"smoke": 400, "full": 4000}}),
-    ("sequel", "memory", "The memory sequel's chain: 11-14 on ViT-L/16 against its published GB", {"vit": "ViT-L/16"}),
+    ("sequel", "memory", "The memory sequel's chain: {lessons} on ViT-L/16 against its published GB", {"vit": "ViT-L/16"}),
 ]
 # Seconds a run is planned at before any run of its kind has run in this check: a process's
 # imports, set-up, steps and checkpoint (a compile adds its own), on a 2-core CPU at smoke size
@@ -134,7 +135,11 @@ def plan(args):
     """[(name, kind, title, settings, runs)]: STAGES with their (lesson, batch) runs; --scripts: those
     in one throughput stage in place of the throughput stages."""
     from benchmarks.runs import SCRIPTS
-    stages = [(*stage, [(script, stage[3].get("batch")) for script in stage_scripts(stage[0])]) for stage in STAGES]
+    stages = []
+    for name, kind, title, settings in STAGES:
+        scripts = stage_scripts(name)
+        lessons = ", ".join(script[:2] for script in scripts)
+        stages.append((name, kind, title.format(lessons=lessons), settings, [(s, settings.get("batch")) for s in scripts]))
     if not args.scripts:
         return stages
     runs = [(SCRIPTS[n], int(b or 16)) for n, _, b in (spec.partition("@") for spec in args.scripts)]
@@ -183,20 +188,10 @@ def run_throughput(check, name, title, settings, runs, scratch):
         if why_not:
             break
     done = max((len(r["records"]) for r in measured.values()), default=0)
-    text = throughput.report(args, measured, flops, None) + first_steps(measured) if done else ""
+    text = throughput.report(args, measured, flops, None) if done else ""
     if not done:
         return f"not run: {why_not}", text
     return f"{done} round(s) of {len(measured)} lesson(s)" + (f"; {why_not}" if why_not else ""), text
-
-
-def first_steps(measured):
-    """The seconds of each compiled lesson's first untimed steps (its first compile)."""
-    from run_keeping.config import WARMUP_STEPS
-    lines = [f"- {script[:2]} at batch {batch}: its first {WARMUP_STEPS} steps, with torch.compile's first "
-             f"compile, took {r['records'][0]['warmup_s']:.1f} s"
-             for (script, batch), r in measured.items()
-             if r["records"] and r["records"][0].get("compiled") and r["records"][0].get("warmup_s") is not None]
-    return "\n\n" + "\n".join(lines) if lines else ""
 
 
 def run_input(check, settings):

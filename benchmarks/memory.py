@@ -85,7 +85,8 @@ def memory_run(args):
             torch.cuda.empty_cache()
     fabric.barrier()
     sys.stdout.flush()
-    os._exit(0)  # run_keeping/keeper.py's docstring (Exit): why a multi-process run ends so
+    if fabric.world_size > 1:
+        os._exit(0)  # docs/run-keeping.md (Exit): why a multi-process run ends so
 
 
 def state_terms(precision, optimizer, strategy, parameters, held):
@@ -231,8 +232,8 @@ def memory_chart(rows, path, device):
 
 
 # -- --memory --talk and --sequel: the numbered scripts as they are ---------------------------------
-TALK_PROCESSES = 4   # the talk's 4 GPUs, for the scripts that take --devices (05-07, 10)
-SEQUEL_PROCESSES = 2  # 06 and 15 in --sequel: enough to shard, half the time on a CPU
+TALK_PROCESSES = 4   # the talk's 4 GPUs, for the scripts that take --devices (lessons.csv's devices over 1)
+SEQUEL_PROCESSES = 2  # --sequel's sharded lessons: enough to shard, half the time on a CPU
 TALK_STEPS = 4      # 3 untimed, 1 timed; Adam's moments exist from the first, so 2-4 are the steady state
 VIT_OF = {name: vit for vit, name in VITS.items()}  # "ViT-L/16": "vit_l_16", the scripts' --vit
 SIZE, TOKENS = 224, (224 // 16) ** 2 + 1  # the talk's images: 196 patches and the class token

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from run_keeping.config import lessons
-from run_keeping.record import first_line, upgrade
+from run_keeping.reading import upgrade
+from run_keeping.record import first_line
 
 ROOT = Path(__file__).resolve().parent.parent
 

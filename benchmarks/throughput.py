@@ -22,6 +22,7 @@ from benchmarks.runs import SCRIPTS, RunFailed, ask, make_strategy, process_rang
 from benchmarks.reports import fmt, markdown_table
 from run_keeping.config import WARMUP_STEPS, lessons
 from run_keeping.keeper import BUSY_WAIT
+from run_keeping.reading import precision_asked
 
 REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
 STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
@@ -36,8 +37,8 @@ BUSY = 0.20
 # by chance, and a margin keeps them tied (at the smoke size Fabric's own work per step costs 03
 # some 5-10% against 01, round after round: that is told apart).
 TIE = 0.03
-SMOKE_SCRIPTS = [n for n in chain("talk") if process_range(SCRIPTS[n]) == (False, 1)]  # --smoke's default:
-# the talk's lessons on one device (01-04)
+# --smoke's default: the talk table's lessons of one process (lessons.csv)
+SMOKE_SCRIPTS = [n for n in chain("talk") if process_range(SCRIPTS[n]) == (False, 1)]
 
 
 def common_flags(args):
@@ -51,7 +52,7 @@ def run_configuration(script, batch, args, scratch, timeout=None):
              "--save-model", str(models / f"{script[:-3]}.pt"),
              "--checkpoint-dir", str(Path(scratch) / "checkpoints" / script[:-3]), *common_flags(args)]
     takes, least = process_range(script)
-    if takes:  # 05-07, 10, 15; 10's tensor parallelism needs its 2 processes
+    if takes:  # a lesson of several processes; 10's tensor parallelism needs its 2 (lessons.csv's min_devices)
         flags += ["--devices", str(max(least, args.devices))]
     return run_script(script, flags, args.results, timeout=timeout)
 
@@ -134,7 +135,8 @@ def bare_loop(args):
                  "cpu_wait_share": float(waited), "compile_mode": spec["compile_mode"]}, fabric)
     fabric.barrier()
     sys.stdout.flush()
-    os._exit(0)  # run_keeping/keeper.py's docstring (Exit): why a multi-process run ends so
+    if fabric.world_size > 1:
+        os._exit(0)  # docs/run-keeping.md (Exit): why a multi-process run ends so
 
 
 def make_optimizer(name, parameters, fused=False):
@@ -246,13 +248,15 @@ def rows_of(measured, flops, args):
         vs_01 = [a / b["images_per_s"] for a, b in zip(ips, one["records"])] if one else []
         vs_bare = [a / b["images_per_s"] for a, b in zip(ips, bares)]
         bare_ips = [b["images_per_s"] for b in bares]
-        row = {"script": script, "batch": batch, "precision": precision_of(first), "strategy": first["strategy"],
+        row = {"script": script, "batch": batch, "precision": precision_of(first),
+               "strategy": lessons()[script]["strategy"],
                "devices": first["world_size"], "n": len(records), "images_per_s": spread(ips),
                "vs_01": spread(vs_01), "vs_01_rounds": vs_01, "vs_bare": spread(vs_bare),
                "memory_gb": max(r["peak_memory_gb"] for r in records), "mfu": mfu(statistics.median(ips)),
-               "waited": max([r.get("cpu_wait_share") or 0 for r in records + bares]),
+               "waited": max([b.get("cpu_wait_share") or 0 for b in bares], default=0),
+               "runs_busy": any(r["busy"] for r in records),
                "spread_bare": spread_of(alike.get(bare_key(first), [])), "failed": runs.get("failed")}
-        row["busy"] = row["waited"] > BUSY_WAIT or (row["spread_bare"] or 0) > BUSY
+        row["busy"] = row["runs_busy"] or row["waited"] > BUSY_WAIT or (row["spread_bare"] or 0) > BUSY
         median, low, high = row["vs_01"]
         row["noise"] = median is not None and script != "01_pytorch-vit.py" and high - low > abs(median - 1)
         rows.append(row)
@@ -269,7 +273,7 @@ def spread_of(values):
 
 
 def precision_of(record):
-    asked = record.get("precision_asked")
+    asked = precision_asked(record)
     return record["precision"] + (f" (asked {asked})" if asked and asked != record["precision"] else "")
 
 
@@ -281,7 +285,9 @@ def ratio(value, pattern="{:.2f}"):
 
 
 def busy_note(row):
-    return "; ".join([*([f"busy: its runs waited for a CPU core {row['waited']:.0%} of their time"]
+    return "; ".join([*([f"busy: a run of it waited for a CPU core over {BUSY_WAIT:.0%} of its time"]
+                        if row.get("runs_busy") else []),
+                      *([f"busy: its bare loops waited for a CPU core {row['waited']:.0%} of their time"]
                         if row["waited"] > BUSY_WAIT else []),
                       *([f"busy: bare loops of its settings differ by {row['spread_bare']:.0%}"]
                         if (row["spread_bare"] or 0) > BUSY else [])])
@@ -313,7 +319,7 @@ def talk_comparison(rows, reference):
     return markdown_table(header, [
         [SCRIPTS[n], ratio(ours[n]["vs_01"], "{:.2f}x"), f"{talk01 / reference[SCRIPTS[n]]['time_min']:.2f}x",
          f"{ours[n]['memory_gb']:.2f}", f"{reference[SCRIPTS[n]]['memory_gb']:.2f}"]
-        for n in ("01", "02", "03", "04") if n in ours])
+        for n in SMOKE_SCRIPTS if n in ours])
 
 
 def ranking(rows):

@@ -1,18 +1,7 @@
-"""The command line every numbered script shares, parsed once into a frozen Config.
-
-parse_args reads the flags and checks them against the machine: a bad value, an ignored flag, an
-unusable path or a launch that does not match the flags is one line and exit 2 (fail). Besides
-reading the flags it does three things a learner should know of:
-
-- Where the device has no native bfloat16 and the lesson asks for it (lessons.csv's precision),
-  it sets LT_PRECISION to the fallback (FALLBACKS): Fabric reads LT_* variables, as its own
-  `fabric run` command sets them, so the lesson's `precision="bf16-mixed"` runs as the fallback.
-- From the parser's start until RunKeeper takes over, Ctrl-C and SIGTERM end the program at once
-  in one line (130, 143): nothing of the run exists yet to keep.
-- It reads lessons.csv, every lesson's facts: the --help text, the flags a technique brings.
-"""
-
-from __future__ import annotations
+"""The command line every numbered script shares, parsed once: a bad value, an ignored flag, an
+unusable path or a launch that does not match the flags is one line and exit 2. Where the device
+has no native bfloat16 it sets LT_PRECISION, which the lesson's Fabric(...) reads; from its start
+Ctrl-C and SIGTERM end the program in one line (docs/run-keeping.md). Also lessons.csv, read here."""
 
 import argparse
 import csv
@@ -21,6 +10,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,8 +129,8 @@ def check_path(flag, path, folder=False):
         elif not os.access(target, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as err:
-        read_only = os.statvfs(target).f_flag & os.ST_RDONLY
-        fail(f"{flag} {path} cannot be written: {'a read-only file system' if read_only else err.strerror} ({target})")
+        why = f"{target} is on a read-only file system" if os.statvfs(target).f_flag & os.ST_RDONLY else err.strerror
+        fail(f"{flag} {path} cannot be written: {why}")
 
 
 # The flags a lesson's technique brings (lessons.csv's flags column names them per script).
@@ -154,7 +144,11 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
     add, number = parser.add_argument, dict(type=whole_number(1), metavar="N")
     add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
     add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
-    add("--max-steps", **number, help=f"N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}); cut short")
+    add(
+        "--max-steps",
+        **number,
+        help=f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short",
+    )
     add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
     add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
     if loader:
@@ -220,6 +214,9 @@ def parse_args(
         fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
     if not kind and not args.no_download:
         check_path("--data-dir", args.data_dir, folder=True)
+    # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
+    # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
+    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
     if args.precision != asked:
         os.environ["LT_PRECISION"] = args.precision  # read by the lesson's Fabric(...)
     return args
@@ -268,11 +265,11 @@ def settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, 
     batch = given.batch_size or default_batch
     if batch % micro_batches:
         parser.error(
-            f"--batch-size {batch}: it is trained on in {micro_batches} micro-batches, so it must divide by them"
+            f"--batch-size {batch}: it is trained on in {micro_batches} micro-batches, so it must divide by {micro_batches}"
         )
     note = ""
     if given.smoke and SMOKE_GLOBAL_BATCH % replicas and batch == default_batch:
-        note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all: 16 does not divide by {replicas}."
+        note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16: 16 does not divide by {replicas}."
     images = None if given.synthetic else (train_images or {}).get(kind or "full")
     if images is not None and batch * replicas > images:
         parser.error(

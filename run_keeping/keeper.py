@@ -1,35 +1,13 @@
-"""RunKeeper: what a numbered script calls to keep its run. Its whole effect on a run:
-
-- Files. Process 0 holds `.lock` in the checkpoint folder (--checkpoint-dir, by default
-  checkpoints/<run>/) while the run runs: an flock the system lets go of however the process ends,
-  so a second run there is refused in one line. After each epoch a checkpoint (model, optimizer,
-  scheduler, torch's random state, the figures so far) is written with Fabric's save (torch.save
-  for 00-02) beside its name and renamed into place, then named in latest.json; the one before is
-  removed. A finished run writes its model file (--save-model) and appends one line to --results,
-  then removes its checkpoints.
-- Continuing. With --resume, or when SLURM requeues the job or torchrun restarts its workers (the
-  same job or run id in latest.json), the run continues after the last checkpoint's epoch; an
-  unfinished run is never started over without a word.
-- Signals. From RunKeeper(...) on, Ctrl-C and SIGTERM (SLURM's warning before it kills) raise
-  Interrupted wherever the run is; leaving the `with` block says in one line what is kept (the last
-  epoch's checkpoint; the batches since are lost) and exits 130 or 143.
-- Errors. Leaving the `with` block, an error a user can act on is one line and its exit code
-  (docs/flags-records-exit-codes.md): out of GPU memory 1, a NaN loss 1, a failed write 1,
-  torch.compile without its compiler 2, a process of the run lost 3. Anything else is a traceback.
-- Threads. Where several processes share a machine, each gets its share of the cores
-  (torch.set_num_threads), unless OMP_NUM_THREADS is set.
-- Precision. None: parse_args chose it (run_keeping/config.py); the keeper says the fallback.
-- Printing. Each process says who started it; process 0 says what kind of run it is, the
-  fallback, where it continues from, and the talk's closing lines (time, memory, accuracy).
-- Exit. A run of several processes leaves through os._exit once its files are written: gloo's
-  worker thread may free its tensors during the interpreter's shutdown and abort the process
-  (pytorch/pytorch#190489), which left a torchrun node waiting at its exit barrier.
-"""
+"""RunKeeper: what a numbered script calls to keep its run, around it in a `with` block: checkpoints
+and --resume, Ctrl-C and SIGTERM, one line for a known error, the timing and the record. Every effect
+it has on a run is listed in docs/run-keeping.md."""
 
 import fcntl
 import json
 import os
 import re
+import resource
+import shlex
 import shutil
 import signal
 import socket
@@ -42,7 +20,8 @@ import torch
 
 from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
 from run_keeping.config import invoked, resume_command, started_flags
-from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
+from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable
+from run_keeping.record import write_atomically, write_whole
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
@@ -56,60 +35,47 @@ BUSY_WAIT = 0.25
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
 LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*(?:timeout|Watchdog)"
 # How torch.compile says its compiler is missing; any other compile error is said as itself.
-NO_COMPILER = (
-    r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|(?:g\+\+|gcc|cc|clang): (?:command )?"
-)
-NO_COMPILER += r"not found|No such file or directory: '(?:g\+\+|gcc|cc|c\+\+|clang\+*)'"
+NO_COMPILER = r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|No such file or directory: "
+NO_COMPILER += r"'(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|(?:g\+\+|gcc|cc|clang): (?:command )?not found"
 WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits"}
 WHAT_RUNS |= {"synthetic": "{vit} from random init on random images and labels"}
 WHAT_RUNS |= {"smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
 
 
-class Interrupted(BaseException):
-    """Ctrl-C or SIGTERM during the run (not an Exception: no `except Exception` swallows it)."""
-
-    def __init__(self, signum, frame=None):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def raise_interrupted(signum, frame):
-    raise Interrupted(signum)
-
-
 class RunKeeper:
     """Used as `with RunKeeper(args, fabric) as keeper:` around a script's run; the script calls
     keep_in_checkpoints() for a scheduler, resume() before training, batch_done() after each
-    batch, checkpoint() after each epoch and finish() at the end. Every effect it has on a run is
-    listed in this module's docstring."""
+    batch, checkpoint() after each epoch and finish() at the end: docs/run-keeping.md."""
 
     def __init__(self, config, fabric=None):
         self.config, self.fabric, self.folder = config, fabric, Path(config.checkpoint_dir)
         self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
         self.lock = self.last = self.scheduler = self.epoch_loss = self.epoch_timer = None
         self.finished, self.start_epoch, self.batch_in_epoch, self.train_loss = False, 0, 0, []
+        self.signum = signal.SIGINT
         for signum in EXIT_ON_SIGNAL:
-            signal.signal(signum, raise_interrupted)
+            signal.signal(signum, self.on_signal)
         restart = self.agree(self.claim_folder)
         self.resuming = config.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
         processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", config.devices))
         if processes_here > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_here))
-        self.print(
-            fallback_line(config),
-            no_cuda_graphs_line(config),
-            restart and f"{restart}: continuing the run in {self.folder}.",
-        )
+        restarted = restart and f"{restart}: continuing the run in {self.folder}."
+        self.print(fallback_line(config), no_cuda_graphs_line(config), restarted)
 
     def __enter__(self):
         return self
 
+    def on_signal(self, signum, frame):  # Ctrl-C, SIGTERM
+        self.signum = signum
+        raise KeyboardInterrupt
+
     def __exit__(self, kind, error, traceback):
         """One line and an exit code for an interruption or a known error; a traceback for others."""
         code, message = 0, None
-        if kind and issubclass(kind, Interrupted):
-            code, message = EXIT_ON_SIGNAL[error.signum], self.interrupted_line(error.signum) * (self.rank == 0)
+        if kind and issubclass(kind, KeyboardInterrupt):
+            code, message = EXIT_ON_SIGNAL[self.signum], self.interrupted_line(self.signum) * (self.rank == 0)
         elif kind and issubclass(kind, SystemExit):
             code = error.code  # its line is said
         elif kind:
@@ -126,7 +92,7 @@ class RunKeeper:
             print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
         if self.world_size > 1:
             sys.stdout.flush()
-            os._exit(code)  # see this module's docstring: Exit
+            os._exit(code)  # gloo may abort at shutdown (pytorch/pytorch#190489): docs/run-keeping.md
         if code:
             raise SystemExit(code) from None
         for signum in EXIT_ON_SIGNAL:  # the run is over: a signal until the process ends is one line
@@ -150,7 +116,16 @@ class RunKeeper:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
         if self.world_size > 1:
-            code = int(self.fabric.all_reduce(torch.tensor(code, device=self.fabric.device), reduce_op="max"))
+            failed = int(self.fabric.all_reduce(torch.tensor(code, device=self.fabric.device), reduce_op="max"))
+            if failed and not code:
+                rank, world = self.rank, self.world_size
+                print(
+                    f"{self.config.script}: error: process {rank} of {world} stops too: another process could not go "
+                    "on (its line says why).",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            code = failed
         if code:
             raise SystemExit(code)
         return result
@@ -178,8 +153,8 @@ class RunKeeper:
 
     def start_over(self):
         """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
-        parent = f" && rmdir {self.folder.parent} 2>/dev/null" * self.config.checkpoint_dir_is_default
-        return f"start over with: rm -rf {self.folder}{parent}; {invoked(*started_flags())}"
+        parent = f" && rmdir {shlex.quote(str(self.folder.parent))} 2>/dev/null" * self.config.checkpoint_dir_is_default
+        return f"start over with: rm -rf {shlex.quote(str(self.folder))}{parent}; {invoked(*started_flags())}"
 
     def keep_in_checkpoints(self, scheduler):
         """A learning-rate scheduler whose state each checkpoint keeps and --resume restores."""
@@ -191,10 +166,17 @@ class RunKeeper:
         self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
         self.print(self.config.kind and kind_line(self.config, self.init))
-        self.val_acc, self.checkpoint_s, self.peak_gb = [], [], 0.0
+        self.val_acc, self.lr, self.checkpoint_s, self.peak_gb = [], [], [], 0.0
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
         self.cpu_at_start = cpu_times()
+        if self.world_size > 1:  # what each process holds: FSDP2's and tensor parallelism's shards made visible
+            held = torch.zeros(self.world_size, dtype=torch.float64, device=self.fabric.device)
+            held[self.rank] = sum(
+                p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+            )
+            held = ", ".join(f"{int(n):,}" for n in self.fabric.all_reduce(held, reduce_op="sum"))
+            self.print(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
         if self.resuming:
             rng = self.agree(self.load_checkpoint)
             if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch from the
@@ -211,6 +193,7 @@ class RunKeeper:
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's loss sum, and its first batch whose loss is not finite
             self.epoch_loss, self.first_bad = torch.zeros_like(loss), torch.full_like(loss, -1)
+            self.epoch_lr = self.optimizer.param_groups[0]["lr"]  # the rate the epoch starts at
         self.epoch_loss = self.epoch_loss + loss
         good = torch.isfinite(self.epoch_loss) | (self.first_bad >= 0)
         self.first_bad = torch.where(good, self.first_bad, self.batch_in_epoch)
@@ -242,6 +225,7 @@ class RunKeeper:
             mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
+        self.lr.append(self.epoch_lr)
         self.epoch_loss, self.epoch_timer, self.batch_in_epoch = None, None, 0
         if self.config.synthetic and len(self.train_loss) == self.config.epochs:
             return  # a synthetic run measures: after its last epoch nothing is left to continue
@@ -268,7 +252,7 @@ class RunKeeper:
         final, partial = self.folder / name, self.folder / (name + ".tmp")
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
-        progress = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, val_acc=self.val_acc)
+        progress = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
         progress.update(train_time_s=train_time_s, timed_images=images, timed_seconds=seconds)
         state = {"model": self.model, "optimizer": self.optimizer, "progress": progress, "rng": torch.get_rng_state()}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
@@ -280,7 +264,10 @@ class RunKeeper:
             if self.fabric:
                 self.fabric.save(partial, state)
             else:
-                torch.save({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}, partial)
+                write_whole(
+                    partial,
+                    torch_bytes({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}),
+                )
             if self.rank == 0:
                 os.replace(partial, final)
                 settings = {key: getattr(self.config, key) for key in SETTINGS}
@@ -288,7 +275,11 @@ class RunKeeper:
                     checkpoint=name, epochs_done=len(self.train_loss), script=self.config.script, kind=self.config.kind
                 )
                 latest.update(settings=settings)
-                latest.update(flags=started_flags(), launch=launch_ids())
+                launch = {
+                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                    "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                }
+                latest.update(flags=started_flags(), launch=launch)  # a requeued job or torchrun restart has the same
                 write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
                 for older in self.folder.glob("epoch-*.ckpt"):
                     remove(older) if older.name != name else None
@@ -296,7 +287,9 @@ class RunKeeper:
             if lost_peer(self.world_size, err):
                 raise  # not the disk: a process of the run is gone (explain says so)
             remove(partial) if self.rank == 0 else None
-            fail(f"cannot write the checkpoint {final}: {write_error(err, final)}; {kept}.", code=1)
+            full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
+            why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
+            fail(f"cannot write {partial}: {why}; {kept}.", code=1)
         self.last = final
 
     def load_checkpoint(self):
@@ -325,8 +318,8 @@ class RunKeeper:
         except Exception as err:  # a truncated or foreign file fails in many ways
             fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")
         progress, self.last = state["progress"], path
-        self.start_epoch, self.train_loss, self.val_acc = (
-            progress[k] for k in ("epochs_done", "train_loss", "val_acc")
+        self.start_epoch, self.train_loss, self.val_acc, self.lr = (
+            progress[k] for k in ("epochs_done", "train_loss", "val_acc", "lr")
         )
         self.earlier = {key: progress[key] for key in self.earlier}
         return state["rng"]
@@ -348,9 +341,13 @@ class RunKeeper:
         self.print(closing_lines(train_time_s, peak, images_per_s, test_acc, waited, self.checkpoint_s))
         measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s and round(images_per_s, 2))
         measured.update(
-            peak_memory_gb=round(peak, 4), train_loss=self.train_loss, val_acc=self.val_acc * (not c.synthetic) or None
+            peak_memory_gb=round(peak, 4),
+            train_loss=self.train_loss,
+            lr=self.lr,
+            val_acc=self.val_acc * (not c.synthetic) or None,
         )
-        measured.update(test_acc=test_acc, busy=waited > BUSY_WAIT)
+        cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)
+        measured.update(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
 
         def keep():
             if self.rank == 0:
@@ -361,10 +358,14 @@ class RunKeeper:
                 write_atomically(c.save_model, torch_bytes(state), then=kept)
                 compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
                 record = build(c, self.fabric, compiled, measured)
-                append_record(c.results, record, then=f"The model is in {c.save_model}; {kept}.")
+                append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
                 for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
                     remove(checkpoint)
-                self.print(*last_lines(c, self.init))
+                cut_short = (
+                    f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it out"
+                )
+                written = f"Run record appended to {c.results}; finetuned model saved to {c.save_model}"
+                self.print(c.kind and kind_line(c, self.init), (not c.whole) and cut_short + " unless asked.", written)
 
         signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_ON_SIGNAL)  # a signal waits until they are written
         try:
@@ -393,27 +394,25 @@ def explain(error, config, rank, world_size, last_checkpoint):
         inner = error
         while getattr(inner, "inner_exception", None) or inner.__cause__:  # Dynamo wraps the backend's
             inner = getattr(inner, "inner_exception", None) or inner.__cause__
-        without = "or run without compiling (01 is 02 without it; 09 compiles on a CPU only with --compile-on-cpu)"
+        without = "run without compiling: python 01_pytorch-vit.py is 02 without it, and 09 compiles on a CPU only "
+        without += "with --compile-on-cpu."
         if re.search(NO_COMPILER, f"{type(inner).__name__} {inner} {error}", re.I):
-            needs = "gcc for Triton's launcher (or point CC at one)" if config.accelerator == "cuda" else "g++ (or CXX)"
-            return f"error: torch.compile could not compile the model ({reason}): install {needs}; {without}.", 2
-        return f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}); {without}.", 1
+            needs = "On a CPU it needs a working C++ compiler: install g++ (or point CXX at one)"
+            if config.accelerator == "cuda":
+                needs = "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build Triton's "
+                needs += "launcher: install gcc (or point CC at one)"
+            return f"error: torch.compile could not compile the model ({reason}). {needs}; or {without}", 2
+        return f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}); {without}", 1
     if isinstance(error, torch.OutOfMemoryError):
-        return (
-            f"error: the GPU ran out of memory at --batch-size {config.batch_size} ({first_line(reason, 160)}): "
-            "try a smaller --batch-size.",
-            1,
-        )
+        oom = f"the GPU ran out of memory at --batch-size {config.batch_size} ({first_line(reason, 160)})"
+        return f"error: {oom}: try a smaller --batch-size.", 1
     if lost:
         peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))
         which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
         go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every machine is back"
         go_on = go_on if last_checkpoint else "no checkpoint was written yet: start it again"
-        return (
-            f"error: a process of the run was lost{which}: a machine died, or a process was killed "
-            f"({lost.group(0)}). Process {rank} of {world_size} stops too; {go_on}.",
-            3,
-        )
+        lost_line = f"a process of the run was lost{which}: a machine died, or a process was killed ({lost.group(0)})"
+        return f"error: {lost_line}. Process {rank} of {world_size} stops too; {go_on}.", 3
     return None
 
 
@@ -433,9 +432,7 @@ class FolderLock:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip() or "another process"
-                fail(
-                    f"a run is in progress in {folder} ({holder}): wait for it, or give this one another --checkpoint-dir."
-                )
+                fail(f"a run is in progress in {folder} ({holder}): wait, or give this one another --checkpoint-dir.")
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it
             os.close(self.fd)
@@ -461,26 +458,12 @@ def remove(path):
         Path(path).unlink(missing_ok=True)
 
 
-def write_error(error, path):
-    """Why a write failed: the system's word, or that the disk is full where torch gives none."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    full = shutil.disk_usage(Path(path).parent).free < 64 * 2**20
-    return "No space left on device" if full else first_line(error) or type(error).__name__
-
-
 def torch_bytes(state):
     import io
 
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
-
-
-def launch_ids():
-    """What started this process: a requeued SLURM job or a torchrun restart has the same ids."""
-    env = os.environ
-    return {"slurm_job_id": env.get("SLURM_JOB_ID"), "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID")}
 
 
 def restart_reason(latest):
@@ -535,18 +518,16 @@ def opening_line(fabric, rank, world_size):
 
 def kind_line(config, init):
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
-    return (
-        f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}. "
-        f"Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
-    )
+    run = f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}."
+    return f"{run} Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
 
 
 def no_cuda_graphs_line(config):
     if config.compile_mode == "reduce-overhead" and config.accelerator != "cuda":
+        what = 'torch.compile(mode="reduce-overhead") compiles the model and runs it without them (on a GPU it'
         return (
-            f'This {device_name(config.accelerator)} has no CUDA graphs: torch.compile(mode="reduce-overhead") '
-            "compiles the model and runs it without them (on a GPU it records each step's kernels once and "
-            "replays them)"
+            f"This {device_name(config.accelerator)} has no CUDA graphs: {what} records each step's kernels once "
+            "and replays them)"
         )
     return None
 
@@ -555,23 +536,12 @@ def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited, check
     """The talk's closing lines, ours (throughput, accuracy), and one where the run had to share the CPU."""
     lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB"]
     untimed = f"(a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed)"
-    lines.append(
-        f"Throughput {images_per_s:.1f} training images/s" if images_per_s else f"Throughput not measured {untimed}"
-    )
+    measured = f"Throughput {images_per_s:.1f} training images/s" if images_per_s else None
+    lines.append(measured or f"Throughput not measured {untimed}")
     lines.append("Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%")
     if checkpoint_s:
         lines.append(f"Checkpoints: {len(checkpoint_s)} written in {sum(checkpoint_s):.1f} s, not in the time above")
     if waited > BUSY_WAIT:
-        lines.append(
-            f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another "
-            "program was using the cores): its time and throughput are not comparable"
-        )
+        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program"
+        lines.append(busy + " was using the cores): its time and throughput are not comparable")
     return "\n".join(lines)
-
-
-def last_lines(config, init):
-    lines = [kind_line(config, init)] if config.kind else []
-    if not config.whole:
-        cut = f"CUT SHORT by --max-steps {config.max_steps}: recorded as such; plot_results.py and 08 leave it out"
-        lines.append(cut + " unless asked.")
-    return lines + [f"Run record appended to {config.results}; finetuned model saved to {config.save_model}"]

@@ -6,13 +6,18 @@ itself, each with one line for what is wrong with it.
 import json
 from pathlib import Path
 
-from run_keeping.config import fail
+from run_keeping.config import fail, lessons
 from run_keeping.record import REQUIRED, VERSION, why_unloadable
 
 
 def whole(record):
     """A result, not a debugging run: not cut short by --max-steps (a synthetic run always is)."""
     return record["max_steps"] is None or "synthetic" in record["kind"]
+
+
+def precision_asked(record):
+    """The precision the run's lesson asks for (lessons.csv); an older record says it itself."""
+    return record.get("precision_asked") or (lessons().get(record["script"]) or {}).get("precision") or "32-true"
 
 
 def upgrade(record):
@@ -25,8 +30,6 @@ def upgrade(record):
         old["kind"] = "-".join(k for k in ("smoke", "synthetic") if old.get(k)) or "full"
     if "compile_mode" not in old:  # version 1 compiled with torch.compile's default, or not
         old["compile_mode"] = "default" if old.get("compiled") else None
-    if old.get("whole") is False and old.get("max_steps") is None:  # cut short, said otherwise
-        old["max_steps"] = int((old.get("cut_short_by") or "0").split()[-1]) or None
     return {**dict.fromkeys(REQUIRED), **old, "record_version": VERSION}
 
 

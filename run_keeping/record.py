@@ -31,10 +31,8 @@ class Record(TypedDict):
     world_size: int
     tensor_parallel_size: int
     precision: str
-    precision_asked: str
     compile_mode: str | None
     model: str
-    epochs: int
     batch_size: int
     micro_batches: int
     seed: int
@@ -44,9 +42,11 @@ class Record(TypedDict):
     images_per_s: float | None
     peak_memory_gb: float
     train_loss: list[float]
+    lr: list[float]  # each epoch's first step's
     val_acc: list[float] | None
     test_acc: float | None
     busy: bool
+    cpu_s: float  # the process's CPU seconds, start to record: what the machine's load does not change
     # where the model went, the libraries and the time
     model_file: str
     torch: str
@@ -67,7 +67,7 @@ def build(config, fabric, compiled, measured):
     import torch
 
     c = config
-    same = ("script", "accelerator", "devices", "world_size", "precision_asked", "epochs", "batch_size")
+    same = ("script", "accelerator", "devices", "world_size", "batch_size")
     values = {key: getattr(c, key) for key in (*same, "micro_batches", "seed", "max_steps")} | measured
     values.update(record_version=VERSION, kind=c.kind or "full", device_name=device_name(c.accelerator))
     values.update(tensor_parallel_size=c.tensor_parallel, model="smoke ViT" if c.smoke else c.vit)
@@ -111,6 +111,18 @@ def append_record(path, record, then=""):
         os.close(fd)  # and with it the lock
 
 
+def write_whole(path, data):
+    """`data` to `path` through os.write until all of it is written, then to the disk (fsync)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path, data, then="nothing else was changed"):
     """`data` to `path`, written beside it and renamed into place. A failed write: one line, exit 1,
     ending in `then` (what was kept, how to go on)."""
@@ -118,10 +130,7 @@ def write_atomically(path, data, then="nothing else was changed"):
     partial = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(partial, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_whole(partial, data)
         os.replace(partial, path)
     except OSError as err:
         partial.unlink(missing_ok=True)
@@ -133,7 +142,11 @@ def why_unloadable(error):
     text = str(error)
     if "Weights only load failed" in text:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        return f"it holds a {found.group(1)} object, not only tensors" if found else "it is not a file torch.save wrote"
+        return (
+            f"it holds a {found.group(1)} object, not only tensors"
+            if found
+            else "it is not a file that torch.save wrote"
+        )
     if "failed finding central directory" in text or "PytorchStreamReader" in text:
         return "it is cut short or damaged (not a whole file that torch.save wrote)"
     return f"{type(error).__name__}: {first_line(text)}"

@@ -16,7 +16,8 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, read_records, script_env
-from run_keeping.record import read_runs, upgrade
+from run_keeping.config import lessons
+from run_keeping.reading import read_runs, upgrade
 
 
 def test_vit_b_16_training_flops_match_the_known_figure():
@@ -93,18 +94,18 @@ def test_one_round_is_marked_busy_by_its_waits_or_by_alike_bare_loops_that_disag
 
     def one(script, rate, bare, waited=0.001):
         records = round_records(script, "bf16-mixed", [rate])
-        records[0]["cpu_wait_share"] = waited
+        records[0]["busy"] = waited > throughput.BUSY_WAIT  # as the keeper decides it
         return {"records": records, "bares": [{"images_per_s": bare, "peak_memory_gb": 1.0, "cpu_wait_share": 0.002}]}
 
     idle = {("04_fabric-vit-mixed-precision.py", 16): one("04_fabric-vit-mixed-precision.py", 300, 768.8)}
     assert not throughput.rows_of(idle, 1e9, args)[0]["busy"]
-    shared = {**idle, ("05_fabric-vit-mixed-ddp.py", 16): one("05_fabric-vit-mixed-ddp.py", 40, 93.5)}
-    rows = throughput.rows_of(shared, 1e9, args)  # 05 on one process: the same bare loop as 04's
+    shared = {**idle, ("03_fabric-vit.py", 16): one("03_fabric-vit.py", 40, 93.5)}
+    rows = throughput.rows_of(shared, 1e9, args)  # 03 in these records' precision: the same bare loop as 04's
     assert all(r["busy"] for r in rows if r["script"] != "bare loop")
     assert "busy: bare loops of its settings differ by 722%" in "\n".join(throughput.rows_table(rows))
     waited = {("04_fabric-vit-mixed-precision.py", 16): one("04_fabric-vit-mixed-precision.py", 40, 93.5, waited=0.5)}
     rows = throughput.rows_of(waited, 1e9, args)
-    assert rows[0]["busy"] and "busy: its runs waited for a CPU core 50% of their time" in throughput.busy_note(rows[0])
+    assert rows[0]["busy"] and "busy: a run of it waited for a CPU core over 25% of its time" in throughput.busy_note(rows[0])
     assert any("BUSY MACHINE" in line for line in throughput.verdict(rows, args, "CPU"))
 
 
@@ -209,7 +210,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     records = read_records(out / "gpu-check.jsonl")
     assert [(r["script"][:2], r["batch_size"], r["compile_mode"]) for r in records] == [
         ("16", 16, "reduce-overhead"), ("09", 128, None)]  # 09 compiles on a GPU
-    assert all(r["synthetic"] and r["test_acc"] is None for r in records)
+    assert all("synthetic" in r["kind"] and r["test_acc"] is None for r in records)
     rows = table_rows(report)
     scripts = [r for r in rows if r[0] != "bare loop"]
     bare = [r for r in rows if r[0] == "bare loop"]
@@ -248,8 +249,9 @@ def broken_copy(tmp_path, number="04"):
     copy = tmp_path / "suite"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "reference", "docs", "tests"))
     script = copy / runs.SCRIPTS[number]
-    script.write_text(script.read_text().replace("    keeper = RunKeeper(args, fabric)", "    raise RuntimeError("
-                                                 "'broken on purpose')\n    keeper = RunKeeper(args, fabric)", 1))
+    broken = "    raise RuntimeError('broken on purpose')\n    with RunKeeper(args, fabric) as keeper:"
+    script.write_text(script.read_text().replace("    with RunKeeper(args, fabric) as keeper:", broken, 1))
+    assert "broken on purpose" in script.read_text()
     return copy
 
 
@@ -353,38 +355,29 @@ def test_memory_arithmetic_per_strategy():
     assert 0.6 < held["TP (10)"] / parameters < 0.7
 
 
-@pytest.mark.parametrize("kernel, defaults", [
-    ("fused", {"fused": True}), ("foreach", {"foreach": True}), ("for-loop", {"foreach": False}),
-    (None, {"fused": None, "foreach": None})])  # a record from before it said: torch's own choice
-def test_the_bare_loop_steps_with_the_scripts_optimizer_kernel(kernel, defaults):
-    """The bare loop's optimizer runs the kernel the script's record says its optimizer ran, as
-    torch.optim's defaults chose it there (foreach for plain tensors on a GPU, a loop per parameter
-    on a CPU or for 15's shards in CPU memory; 09's fused AdamW): not fused Adam against the
-    scripts' foreach, which would time the optimizer's kernel as the harness's cost."""
-    optimizer = throughput.make_optimizer("Adam", torch.nn.Linear(2, 2).parameters(), kernel)
-    assert {k: optimizer.defaults[k] for k in defaults} == defaults
-    record = upgrade({"precision": "32-true", "strategy": "single-device", "world_size": 1, "batch_size": 16,
-                      "optimizer": "Adam", "optimizer_kernel": kernel})
-    assert throughput.bare_spec(record)["optimizer_kernel"] == kernel
-
-
-def test_the_record_says_which_kernel_the_optimizer_ran():
-    from run_keeping.record import optimizer_kernel
-    cpu = [torch.nn.Parameter(torch.zeros(2))]
-    assert optimizer_kernel(torch.optim.Adam(cpu)) == "for-loop"  # torch's default on a CPU
-    assert optimizer_kernel(torch.optim.AdamW(cpu, fused=True)) == "fused"  # 09 on its GPU path
-    assert optimizer_kernel(torch.optim.SGD(cpu, lr=0.1, foreach=True)) == "foreach"
+def test_the_bare_loop_steps_with_the_scripts_optimizer_and_kernel():
+    """The bare loop makes the lesson's optimizer (lessons.csv) as the script makes it: torch's own
+    choice of kernel, as the lessons leave it, and 09's fused AdamW where 09 compiles (its GPU path):
+    not fused Adam against the scripts' foreach, which would time the kernel as the harness's cost."""
+    plain = throughput.make_optimizer("Adam", torch.nn.Linear(2, 2).parameters())
+    assert (plain.defaults["fused"], plain.defaults["foreach"]) == (None, None)
+    assert throughput.make_optimizer("AdamW", torch.nn.Linear(2, 2).parameters(), fused=True).defaults["fused"]
+    fast = upgrade({"script": "09_fabric-vit-fast.py", "precision": "bf16-mixed", "world_size": 1, "batch_size": 128,
+                    "compile_mode": "default"})
+    assert (throughput.bare_spec(fast)["optimizer"], throughput.bare_spec(fast)["compile_mode"]) == ("AdamW", "default")
+    sgd = throughput.bare_spec(upgrade({"script": "14_fabric-vit-sgd-cosine.py", "precision": "bf16-true",
+                                        "world_size": 1, "batch_size": 16, "micro_batches": 4}))
+    assert (sgd["optimizer"], sgd["checkpointing"], sgd["micro_batches"]) == ("SGD", True, 4)
 
 
 def test_tensor_parallel_script_is_known_with_its_layout():
     args = benchmark.parse_args(["--scripts", "10"])
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
-    record = upgrade({"precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "world_size": 2,
+    record = upgrade({"script": "10_fabric-vit-tensor-parallel.py", "precision": "bf16-mixed", "world_size": 2,
                       "tensor_parallel_size": 2, "batch_size": 16})
     assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
-        "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "parallelize": None,
-        "optimizer_kernel": None, "compile_mode": None}
+        "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "compile_mode": None}
     # a compiled script's bare loop is compiled as it was, its mode too (records before compile_mode: default)
     assert throughput.bare_spec(dict(record, compile_mode="reduce-overhead"))["compile_mode"] == "reduce-overhead"
     old = {k: v for k, v in record.items() if k not in ("compile_mode", "record_version")}
@@ -424,7 +417,8 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
 def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch):
     """gpu_check.sh's plan on a GPU machine, with nvidia-smi and torch.cuda's count stood in for
     (no GPU here): the stages in their order of value, each with the lessons lessons.csv gives it
-    (a lesson added with a gpu_check stage is in it); the report names the GPU as nvidia-smi does."""
+    (a lesson added with a gpu_check stage is in it, and its title names it); the report names the
+    GPU as nvidia-smi does."""
     from benchmarks import gpu_check
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -436,12 +430,16 @@ def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path,
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = gpu_check.parse_args(["--out", str(tmp_path)])
     stages = gpu_check.plan(args)
-    assert [(name, [(s[:2], b) for s, b in runs]) for name, _, _, _, runs in stages] == [
-        ("headline", [("01", 16), ("04", 16), ("16", 16)]), ("fast", [("09", 128)]), ("input", []),
-        ("sequel", [(n, None) for n in ("11", "12", "13", "14")])]
+    staged = {name: [s for s, row in lessons().items() if row["gpu_check"] == name] for name, *_ in gpu_check.STAGES}
+    batches = {name: settings.get("batch") for name, _, _, settings in gpu_check.STAGES}
+    assert [(name, runs) for name, _, _, _, runs in stages] == [
+        (name, [(s, batches[name]) for s in staged[name]]) for name, *_ in gpu_check.STAGES]
+    assert all(n[:2] in title for name, _, title, _, runs in stages for n, _ in runs)  # each title names its lessons
+    assert staged["headline"] and staged["sequel"]  # lessons.csv names the stages' lessons
     asked = gpu_check.plan(gpu_check.parse_args(["--scripts", "01", "09@128"]))  # in place of the throughput stages
-    assert [(name, [(s[:2], b) for s, b in runs]) for name, _, _, _, runs in asked] == [
-        ("lessons", [("01", 16), ("09", 128)]), ("input", []), ("sequel", [(n, None) for n in ("11", "12", "13", "14")])]
+    assert [(name, runs) for name, _, _, _, runs in asked] == [
+        ("lessons", [("01_pytorch-vit.py", 16), ("09_fabric-vit-fast.py", 128)]),
+        *((name, runs) for name, kind, _, _, runs in stages if kind != "throughput")]
     check = gpu_check.Check(args)
     assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: 1" \
         in gpu_check.report_text(check)
@@ -470,7 +468,10 @@ def test_the_preflight_names_every_missing_package_at_once(tmp_path, monkeypatch
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: outer-pkg\nVersion: 1.0\n"
                                    "Requires-Dist: inner-missing-a\nRequires-Dist: inner_missing_b>=2\n"
                                    "Requires-Dist: numpy\nRequires-Dist: extra-only; extra == 'test'\n")
+    (tmp_path / "second_pkg.py").write_text("import inner_missing_c\n")  # a second module, missing its own
     monkeypatch.syspath_prepend(str(tmp_path))
+    assert preflight.missing(["outer_pkg", "numpy", "second_pkg"]) == {"outer_pkg": "inner_missing_a",
+                                                                     "second_pkg": "inner_missing_c"}
     absent = preflight.missing(["outer_pkg"])
     assert absent == {"outer_pkg": "inner_missing_a"}
     line = preflight.verdict(absent)
@@ -508,7 +509,7 @@ def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
     ran, smoke = [], {r["script"]: r for r in read_runs(ROOT / "reference" / "benchmark-smoke.jsonl")}
     monkeypatch.setattr(throughput, "run_configuration",  # the planner under test, not the runs: a smoke record
                         # each, as a busy machine leaves it (its report's verdict then says how to measure longer)
-                        lambda script, batch, *a: (ran.append(script[:2]) or dict(smoke[script], cpu_wait_share=0.5), 10.0))
+                        lambda script, batch, *a: (ran.append(script[:2]) or dict(smoke[script], busy=True), 10.0))
     monkeypatch.setattr(throughput, "run_bare", lambda record, *a: ({"images_per_s": 1.0, "peak_memory_gb": 1.0}, 5.0))
     check = gpu_check.Check(gpu_check.parse_args(["--smoke", "--out", str(tmp_path)]), gpus=0)
     scripts = [("01_pytorch-vit.py", 16), ("03_fabric-vit.py", 16)]
@@ -523,3 +524,21 @@ def test_gpu_check_never_runs_the_baseline_alone(tmp_path, monkeypatch):
     state, text = gpu_check.run_throughput(check, "t", "t", {"batch": 16, "rounds": 1}, scripts, str(tmp_path))
     assert ran == ["01", "03"], state
     assert "BUSY MACHINE" in text and "--repeat 2 --max-steps" in text
+
+
+def test_the_input_stage_never_starts_with_less_time_left_than_it_is_planned_at(tmp_path, monkeypatch):
+    """gpu_check's input stage, planned at its default (nothing has timed it yet): with a second less
+    than that left it is not started, and says so; with room, it runs once and keeps its cost."""
+    from benchmarks import gpu_check
+    measured = []
+    monkeypatch.setattr(throughput, "input_rates", lambda args: measured.append(1) or {})  # its measuring, not its planning
+    monkeypatch.setattr(throughput, "input_lines", lambda rates, rows, args: ["rates"])
+    check = gpu_check.Check(gpu_check.parse_args(["--smoke", "--out", str(tmp_path)]), gpus=0)
+    settings = next(s for name, _, _, s in gpu_check.STAGES if name == "input")
+    planned = gpu_check.DEFAULT_S["smoke"]["input"]
+    check.deadline = time.monotonic() + planned - 1
+    state, text = gpu_check.run_input(check, settings)
+    assert measured == [] and state.startswith(f"not run: planned at {planned} s with ") and text == ""
+    check.deadline = time.monotonic() + planned + 30
+    state, _ = gpu_check.run_input(check, settings)
+    assert (state, measured) == ("done", [1]) and check.costs["input"]["input"]

@@ -58,8 +58,8 @@ def test_no_measured_figure_outside_the_blocks(page):
 
 
 def test_steps_mean_optimizer_steps_in_help_docs_and_records(capsys, monkeypatch):
-    """--max-steps counts optimizer steps in --help and in the flags' page, and the record names
-    what it counts: the batches loaded (micro-batches in 12-14) and the optimizer steps apart."""
+    """--max-steps counts optimizer steps in --help and in the flags' page (12-14 load each step's
+    batch in 4 micro-batches)."""
     import runpy
     monkeypatch.setattr(sys, "argv", ["12_fabric-vit-grad-accumulation.py", "--help"])
     with pytest.raises(SystemExit):
@@ -67,7 +67,6 @@ def test_steps_mean_optimizer_steps_in_help_docs_and_records(capsys, monkeypatch
     assert "train N optimizer steps per epoch" in " ".join(capsys.readouterr().out.split())
     flags = (ROOT / "docs" / "flags-records-exit-codes.md").read_text()
     assert "| `--max-steps N` | `--synthetic`: 20, one epoch | train N optimizer steps per epoch" in flags
-    assert "| `batches_loaded`, `optimizer_steps` | the batches the loader handed out (12-14: micro-batches) and the optimizer steps taken |" in flags
     assert "`steps`" not in flags
 
 

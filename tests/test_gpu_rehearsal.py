@@ -13,9 +13,8 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SCRIPTS
-from run_keeping.processes import FALLBACKS
-from run_keeping.files import read_records
-from run_keeping.record import STRATEGIES
+from run_keeping.config import FALLBACKS, lessons
+from run_keeping.reading import read_records
 
 GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H200": 141e9,
         "NVIDIA Quadro Z9000 (in no table)": 48e9}
@@ -23,13 +22,13 @@ GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H2
 
 def precisions_the_scripts_produce():
     """Each precision a numbered script asks Fabric for (00-02 and plain Fabric: 32-true), and
-    what a GPU without bfloat16 runs instead (run_keeping/processes.py)."""
+    what a GPU without bfloat16 runs instead (run_keeping/config.py)."""
     asked = {m for path in ROOT.glob("[01][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
     return asked | {"32-true"} | set(FALLBACKS.values())
 
 
 def strategies_the_scripts_produce():
-    return set(STRATEGIES.values()) - {"fsdp"} | {"tensor-parallel+fsdp2"}
+    return {row["strategy"] for row in lessons().values() if row["strategy"]}
 
 
 @pytest.fixture
@@ -54,13 +53,13 @@ def every_kind_of_record(smoke_runs):
     from them, the precision each asks for as a GPU with bfloat16 runs it (a CPU without it ran
     32-true) and the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
     real = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
-    asked = [dict(r, precision=r["precision_asked"]) for r in real]
-    layout = lambda r: "single-device" if r["strategy"] in ("single-device", "ddp") else "sharded"  # noqa: E731
-    older = [dict(r, precision=FALLBACKS[("cuda", r["precision"], layout(r))]) for r in asked
+    asked = [dict(r, precision=lessons()[r["script"]]["precision"]) for r in real]
+    sharded = lambda r: "fsdp" in lessons()[r["script"]]["strategy"]  # noqa: E731
+    older = [dict(r, precision=FALLBACKS.get(("cuda", r["precision"], sharded(r)), "32-true")) for r in asked
              if r["precision"].startswith("bf16")]
     records = real + asked + older
     assert {r["precision"] for r in records} >= precisions_the_scripts_produce()
-    assert {r["strategy"] for r in records} >= strategies_the_scripts_produce()
+    assert {lessons()[r["script"]]["strategy"] for r in records} >= strategies_the_scripts_produce()
     return records
 
 
@@ -115,26 +114,29 @@ def test_the_memory_tables_are_written_whole_on_each_gpu(gpu, name, tmp_path):
 
 @pytest.mark.parametrize("count", [1, 2, 4, 8])
 def test_each_memory_run_plans_the_talks_processes(gpu, count):
-    """On a GPU machine: 05-07 and 10 on the talk's 4 GPUs where there are 4 (fewer where fewer,
-    saying so), 10 skipped on one, 01-04 on one."""
+    """On a GPU machine: the talk table's lessons of several processes (lessons.csv's devices) on the
+    talk's 4 GPUs where there are 4 (fewer where fewer, saying so), one that needs 2 (min_devices)
+    skipped on one, the others on one."""
     gpu("NVIDIA H200", count)
     plans = {n: memory.talk_processes(n, "vit_b_16", True, 0.0) for n in memory.chain("talk")}
+    rows = {script[:2]: row for script, row in lessons().items()}
     for number, (processes, note) in plans.items():
-        takes_devices = number in ("05", "06", "07", "10")
-        if not takes_devices:
+        if rows[number]["devices"] == 1:
             assert (processes, note) == (1, None)
-        elif number == "10" and count < 2:
-            assert processes is None and "needs 2 processes" in note
+        elif rows[number]["min_devices"] > count:
+            assert processes is None and f"needs {rows[number]['min_devices']} processes" in note
         else:
             assert processes == min(4, count) and (note is None) == (count >= 4), (number, note)
 
 
 def test_on_a_cpu_with_room_the_talks_four_processes_run(monkeypatch):
-    """--memory --talk on a CPU with room for them: 05-07 and 10 each on the talk's 4 processes,
-    the others on one (a regression to one process would hold a whole copy less DDP's work)."""
+    """--memory --talk on a CPU with room for them: its lessons of several processes (lessons.csv's
+    devices) each on the talk's 4, the others on one (a regression to one process would hold a whole
+    copy less DDP's work)."""
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
     plans = {n: memory.talk_processes(n, "vit_b_16", False, 0.8)[0] for n in memory.chain("talk")}
-    assert plans == {"01": 1, "02": 1, "03": 1, "04": 1, "05": 4, "06": 4, "07": 4, "10": 4}
+    rows = {script[:2]: row for script, row in lessons().items()}
+    assert plans == {n: 4 if rows[n]["devices"] > 1 else 1 for n in memory.chain("talk")} and 4 in plans.values()
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 8e9)
     processes, note = memory.talk_processes("05", "vit_b_16", False, 0.8)
     assert processes < 4 and f"{processes} processes, not 4" in note
@@ -157,20 +159,18 @@ def test_every_peak_lookup_answers(name, gpu):
 def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys):
     """benchmark.py's bare loop of each configuration the scripts' records describe: its
     strategy and parallelize function (15's offload), optimizer (14's SGD, 09's AdamW),
-    micro-batches and checkpointing are each made from the record's words; the one-process ones
+    micro-batches and checkpointing are each made from lessons.csv's words; the one-process ones
     run here, 4 steps each (the others would start processes: their strategy is made)."""
     import argparse
     specs = {throughput.bare_key(r): throughput.bare_spec(r) for r in every_kind_of_record}
     assert {s["optimizer"] for s in specs.values()} >= {"Adam", "AdamW", "SGD"}
     assert {s["micro_batches"] for s in specs.values()} >= {1, 4} and any(s["checkpointing"] for s in specs.values())
     for spec in specs.values():
-        runs.make_strategy(spec["strategy"], spec["processes"], spec["tensor_parallel"], spec["parallelize"])
-        throughput.make_optimizer(spec["optimizer"], torch.nn.Linear(2, 2).parameters(), torch.device("cpu"))
+        runs.make_strategy(spec["strategy"], spec["processes"], spec["tensor_parallel"])
+        throughput.make_optimizer(spec["optimizer"], torch.nn.Linear(2, 2).parameters())
         if spec["processes"] == 1:
             args = argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu")
-            with pytest.raises(SystemExit) as exit_info:
-                throughput.bare_loop(args)
-            assert exit_info.value.code == 0
+            throughput.bare_loop(args)
             line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("BARE "))
             answer = json.loads(line[5:])
             assert answer["images_per_s"] > 0 and answer["compile_mode"] == spec["compile_mode"], spec

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from run_keeping.checkpoints import load_model_file, plain_state_dict
+from run_keeping.reading import load_model_file
 from conftest import images_bf16_may_flip, run_script
 
 
@@ -123,7 +123,7 @@ def test_bad_model_files(tmp_path, capsys, content, words):
 def test_a_good_model_file_loads(tmp_path):
     model = small_vit()
     path = tmp_path / "model.pt"
-    torch.save(plain_state_dict(model), path)
+    torch.save(model.state_dict(), path)
     fresh = small_vit()
     load_model_file(fresh, path)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(),
@@ -164,7 +164,7 @@ def test_the_newest_model_is_a_whole_runs(tmp_path, monkeypatch, capsys):
         (tmp_path / "models" / name).write_bytes(name.encode())
         time.sleep(0.01)  # each newer than the one before
         if whole is not None:
-            records.append({"model_file": f"models/{name}", "kind": "smoke", "whole": whole})
+            records.append({"model_file": f"models/{name}", "kind": "smoke", "max_steps": None if whole else 3})
     (tmp_path / "runs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     args = SimpleNamespace(smoke=True, results=str(tmp_path / "runs.jsonl"))
     assert newest_model(args) == "models/01_pytorch-vit-smoke.pt"

@@ -14,7 +14,7 @@ from conftest import ROOT
 
 import plot_results
 from run_keeping.config import lessons
-from run_keeping.record import upgrade
+from run_keeping.reading import upgrade
 from conftest import SCRIPTS
 
 
@@ -88,12 +88,13 @@ def test_chart_and_table_from_real_smoke_runs(smoke_records, tmp_path):
         assert acc == f"{r['test_acc'] * 100:.2f}"
         assert mem == f"{r['peak_memory_gb']:.2f}"
         assert ips == f"{r['images_per_s']:.1f}"
-        assert settings.startswith(r["init"].split(",")[0])  # what its model started from
+        assert settings.startswith(plot_results.init_of(r, lessons()))  # what its model started from
         if r["world_size"] == 1:  # one meaning, as benchmark.py's: over 01 of the same settings
             assert speedup == f"{r['images_per_s'] / ips01:.2f}x"
         else:  # 2 processes, where 01 ran on 1: no ratio, and the table says why
             assert speedup == "-" and f"{r['world_size']} processes" in settings
-    assert "no speedup for 05, 06, 07, 10, 15: no 01 run of the same kind, batch, model and processes" in proc.stdout
+    several = ", ".join(s[:2] for s, r in records.items() if r["world_size"] > 1)  # lessons.csv's devices over 1
+    assert several and f"no speedup for {several}: no 01 run of the same kind, batch, model and processes" in proc.stdout
     # the talk's figures beside ours, from the reference file
     assert rows["04_fabric-vit-mixed-precision.py"][1] == "6.36"
     assert rows["06_fabric-vit-mixed-fsdp.py"][3] == "96.22"
@@ -188,7 +189,7 @@ def fake_records(with_throughput=True):
                   "peak_memory_gb": 3.0 + 0.1 * i, "test_acc": 0.9 + 0.001 * i,
                   "images_per_s": (350.0 + 10 * i) if with_throughput else None,
                   "device_name": "NVIDIA H200", "world_size": 1, "batch_size": 16, "model": "vit_b_16",
-                  "kind": "full", "init": "ImageNet-pretrained, IMAGENET1K_V1"})  # through the schema
+                  "kind": "full"})  # through the schema
         records[(script, plot_results.configuration(record))] = record
     return records
 
@@ -270,7 +271,7 @@ def test_the_default_chart_goes_to_a_path_git_ignores(tmp_path):
     records = tmp_path / "results" / "runs.jsonl"
     records.parent.mkdir()
     records.write_text("".join(json.dumps(r) + "\n" for r in fake_records().values()))
-    from run_keeping.files import append_record, write_atomically
+    from run_keeping.record import append_record, write_atomically
     umask = os.umask(0o002)  # a umask other than the usual 022: a fixed 0o644 would differ
     try:
         proc = plot_here(cwd=tmp_path)
@@ -343,11 +344,11 @@ def test_the_headline_says_how_many_processes_and_each_label_what_ran():
     next(r for r in records.values() if r["script"].startswith("05"))["world_size"] = 2
     assert plot_results.hardware(records) == "NVIDIA H200, 1 or 2 processes per run"
     reference = lessons()
-    smoke = upgrade({"script": "01_pytorch-vit.py", "init": "pretrained on printed digits, smoke_weights/x.pt",
-                     "batch_size": 16, "world_size": 1, "model": "smoke ViT"})
+    smoke = upgrade({"script": "01_pytorch-vit.py", "kind": "smoke", "batch_size": 16, "world_size": 1,
+                     "model": "smoke ViT"})
     label = plot_results.short_label(smoke, reference)
     assert "printed digits" in label and "ImageNet" not in label
-    synthetic = dict(smoke, init="random init")  # a synthetic run starts from random init
+    synthetic = dict(smoke, kind="smoke-synthetic")  # a synthetic run starts from random init
     label = plot_results.short_label(synthetic, reference)
     assert "random init" in label and "printed" not in label and "pretrained" not in label.lower()
     big = dict(smoke, script="05_fabric-vit-mixed-ddp.py", batch_size=128, world_size=2)
@@ -365,22 +366,20 @@ def test_every_numbered_training_script_can_be_charted():
 
 def gpu_check_like_records():
     """Records as gpu_check.sh leaves them: synthetic, most at batch 16 on one process, 01 and
-    04 also at batch 128, 09 at 128, 05 on 2 processes; and one debugging run cut short."""
+    04 also at batch 128, 09 at 128, 05 on 2 processes."""
     def run(script, batch, processes, images_per_s, **more):
-        return upgrade({"script": script, "kind": "synthetic", "synthetic": True, "batch_size": batch,
-                        "world_size": processes, "model": "vit_b_16", "init": "random init",
+        return upgrade({"script": script, "kind": "synthetic", "batch_size": batch,
+                        "world_size": processes, "model": "vit_b_16",
                         "images_per_s": images_per_s, "train_time_s": 10.0, "peak_memory_gb": 3.0,
                         "test_acc": None, "device_name": "NVIDIA H200", "seed": 123, **more})
     return [run("01_pytorch-vit.py", 16, 1, 300.0), run("02_pytorch-vit-compile.py", 16, 1, 330.0),
             run("01_pytorch-vit.py", 128, 1, 800.0), run("04_fabric-vit-mixed-precision.py", 128, 1, 2000.0),
-            run("09_fabric-vit-fast.py", 128, 1, 2400.0), run("05_fabric-vit-mixed-ddp.py", 16, 2, 1100.0),
-            run("03_fabric-vit.py", 16, 1, 5.0, whole=False, cut_short_by="--max-steps 3")]
+            run("09_fabric-vit-fast.py", 128, 1, 2400.0), run("05_fabric-vit-mixed-ddp.py", 16, 2, 1100.0)]
 
 
 def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
     """02 (batch 16) against 01 at batch 16, 09 and 04 (batch 128) against 01 at 128, none for 05
-    (2 processes; no 01 on 2); each of 01's two batches its own bar; the run cut short left out,
-    and said so, unless --all."""
+    (2 processes; no 01 on 2); each of 01's two batches its own bar."""
     path = tmp_path / "gpu-check.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in gpu_check_like_records()))
     proc = plot_here("--results", str(path), "--synthetic", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
@@ -391,10 +390,24 @@ def test_ratios_only_between_runs_of_the_same_settings(tmp_path):
                         "02_pytorch-vit-compile.py": "1.10x", "04_fabric-vit-mixed-precision.py": "2.50x",
                         "05_fabric-vit-mixed-ddp.py": "-", "09_fabric-vit-fast.py": "3.00x"}, speedups
     assert "no speedup for 05: no 01 run of the same kind, batch, model and processes" in proc.stdout
-    assert "left out, cut short by --max-steps 3" in proc.stdout and "03_fabric-vit.py seed 123" in proc.stdout
-    everything = plot_here("--results", str(path), "--synthetic", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
-    assert "03_fabric-vit.py" in table_rows(everything.stdout) and "left out" not in everything.stdout
     kind, latest, _ = plot_results.select(gpu_check_like_records(), "synthetic")
     labels = [plot_results.short_label(r, lessons()) for r in latest.values()]
     assert all("random init" in label for label in labels)
     assert sum("batch 128" in label for label in labels) == 3 and sum("2 processes" in label for label in labels) == 1
+
+
+def test_a_run_cut_short_is_left_out_and_said_so_unless_all(tmp_path):
+    """A --smoke run cut short by --max-steps is a debugging run: plot_results.py leaves it out, says
+    which and why, and charts it with --all."""
+    def run(script, **more):
+        return upgrade({"script": script, "kind": "smoke", "batch_size": 16, "world_size": 1, "model": "smoke ViT",
+                        "images_per_s": 500.0, "train_time_s": 10.0, "peak_memory_gb": 1.0, "test_acc": 0.9,
+                        "device_name": "CPU AMD EPYC (2 cores)", "seed": 123, **more})
+    path = tmp_path / "runs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [run("01_pytorch-vit.py"), run("03_fabric-vit.py", max_steps=3)]))
+    proc = plot_here("--results", str(path), "--smoke", "--output", str(tmp_path / "c.png"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "03_fabric-vit.py" not in table_rows(proc.stdout)
+    assert "left out, cut short by --max-steps 3" in proc.stdout and "03_fabric-vit.py seed 123" in proc.stdout
+    everything = plot_here("--results", str(path), "--smoke", "--all", "--output", str(tmp_path / "a.png"), cwd=tmp_path)
+    assert "03_fabric-vit.py" in table_rows(everything.stdout) and "left out" not in everything.stdout

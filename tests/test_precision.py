@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import memory, throughput
 from conftest import ROOT, YARDSTICK, native_bf16, run_script, script_env
-from run_keeping.record import upgrade
+from run_keeping.reading import precision_asked, upgrade
 
 # bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
 # 1.2 against 132.8 GFLOP/s on an AVX2-only AMD EPYC; 1.4 against 52 on an AVX512-BF16 one with
@@ -62,7 +62,7 @@ def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(s
     assert len(said) == 1 and said[0].startswith("This CPU ") and "oneDNN capped at AVX2" in said[0]
     assert "running 32-true instead of bf16-mixed" in said[0]
     record = json.loads((tmp_path / "results" / "runs.jsonl").read_text().splitlines()[-1])
-    assert (record["precision"], record["precision_asked"]) == ("32-true", "bf16-mixed")
+    assert record["precision"] == "32-true" and precision_asked(record) == "bf16-mixed"
     # start to record, in CPU seconds: the suite runs beside it, and wall time would measure that;
     # 04 alone takes 0.96 times 03's, so even the drift between two runs (EMULATION_GUARD) keeps it
     # under twice
@@ -104,23 +104,30 @@ def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs,
         pytest.skip("this CPU has native bfloat16, so its bf16 runs are its own; the 04 test above rehearses "
                     "a CPU without (ONEDNN_MAX_CPU_ISA=AVX2)")
     record = smoke_runs(script).record
-    assert record["precision"] == "32-true" and record["precision_asked"].startswith("bf16")
+    assert record["precision"] == "32-true" and precision_asked(record).startswith("bf16")
     if script in WITHIN_TWICE_03:  # start to record, in CPU seconds: whatever else runs beside it
         assert record["cpu_s"] <= EMULATION_GUARD * smoke_runs(YARDSTICK).record["cpu_s"]
 
 
-@pytest.mark.parametrize("asked", ["bf16-mixed", "bf16-true"])
-def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, capsys, asked):
-    """On a CPU without native bfloat16, what Fabric does with the model follows the fallback: set
-    up in float32 (11's bf16-true would otherwise still cast it to bfloat16), run without
-    autocast, its one line said."""
+@pytest.mark.parametrize("script", ["04_fabric-vit-mixed-precision.py", "11_fabric-vit-bf16-true.py"])
+def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script):
+    """On a CPU without native bfloat16 (rehearsed: oneDNN capped at AVX2), parse_args sets
+    LT_PRECISION, and the lesson's own Fabric(precision=...) line then sets the model up in float32
+    (11's bf16-true would otherwise cast it to bfloat16) and runs it without autocast; the run's
+    line says so."""
+    import os
+
     import lightning as L
     import torch
     import local_utilities as lu
-    from run_keeping import processes
-    monkeypatch.setattr(processes, "native_bf16", lambda device: False)
+    from run_keeping.config import fallback_line
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("LT_PRECISION", raising=False)  # and put back as it was afterwards
+    monkeypatch.setattr(sys, "argv", [script, "--smoke"])
+    settings = lu.parse_args(epochs=3)
+    asked = settings.precision_asked
+    assert (settings.precision, os.environ["LT_PRECISION"]) == ("32-true", "32-true") and asked.startswith("bf16")
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
-    assert processes.fall_back_from_bf16(fabric) == "32-true"
     with fabric.init_module():
         model = lu.smoke_vit()
     model = fabric.setup_module(model)
@@ -128,22 +135,27 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, capsys,
     assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
     with fabric.autocast():
         assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
-    assert f"running 32-true instead of {asked}" in capsys.readouterr().out
+    assert f"running 32-true instead of {asked}" in fallback_line(settings)
 
 
 def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):
-    """--memory --talk on a CPU without native bfloat16: 01-03 measured, 04-07 and 10 not, in one
-    line that says why and where they can be measured; --sequel (all of it bf16): nothing, said so."""
+    """--memory --talk on a CPU without native bfloat16: the talk table's lessons that ask for a bf16
+    precision (lessons.csv) not measured, in one line that says why and where they can be measured,
+    the others measured; --sequel (all of it bf16): nothing, said so."""
+    from run_keeping.config import lessons
     monkeypatch.setattr(memory, "native_bf16", lambda device: False)
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
+    rows = {script[:2]: row for script, row in lessons().items()}
+    bf16 = lambda numbers: [n for n in numbers if rows[n]["precision"].startswith("bf16")]  # noqa: E731
     talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[])
     plan, notes = memory.memory_plan(talk, cuda=False, libraries=0.8)
-    assert [number for _, number, _ in plan] == ["01", "02", "03"]
-    assert len(notes) == 1 and notes[0].startswith("04, 05, 06, 07, 10 not measured: this CPU ")
+    chain = memory.chain("talk")
+    assert [number for _, number, _ in plan] == [n for n in chain if n not in bf16(chain)] and bf16(chain)
+    assert len(notes) == 1 and notes[0].startswith(f"{', '.join(bf16(chain))} not measured: this CPU ")
     assert "has no native bfloat16" in notes[0] and "AVX512-BF16 or AMX, or on a GPU" in notes[0]
     sequel = argparse.Namespace(**{**vars(talk), "sequel": True})
     plan, notes = memory.memory_plan(sequel, cuda=False, libraries=0.8)
-    assert plan == [] and notes[0].startswith("04, 11, 12, 13, 14, 06, 15 not measured")
+    assert plan == [] and notes[0].startswith(f"{', '.join(memory.chain('sequel'))} not measured")
     plan, _ = memory.memory_plan(talk, cuda=True, libraries=0.0)  # a GPU answers for itself
     assert "04" in [number for _, number, _ in plan]
 
@@ -152,7 +164,7 @@ def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     """benchmark.py --smoke's 04 row on a CPU without bfloat16: its precision as it ran, the one
     asked beside it, and the verdict saying which scripts were not measured as they ask."""
     records = [upgrade({"script": "04_fabric-vit-mixed-precision.py", "batch_size": 16, "precision": "32-true",
-                        "precision_asked": "bf16-mixed", "world_size": 1, "strategy": "single-device",
+                        "world_size": 1,
                         "images_per_s": 100.0, "peak_memory_gb": 1.0, "device_name": "CPU AMD EPYC (2 cores)"})]
     measured = {("04_fabric-vit-mixed-precision.py", 16): {"records": records, "bares": []}}
     args = argparse.Namespace(peak_tflops={}, smoke=True, repeat=1, max_steps=200)

@@ -39,26 +39,22 @@ def one_process_run(smoke_runs):
 @pytest.mark.slow
 def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
     tp2, tp1 = smoke_runs(TP).record, one_process_run
-    assert (tp2["tensor_parallel_size"], tp2["data_parallel_size"], tp2["world_size"]) == (2, 1, 2)
-    assert (tp1["tensor_parallel_size"], tp1["data_parallel_size"], tp1["world_size"]) == (1, 1, 1)
+    assert (tp2["tensor_parallel_size"], tp2["world_size"]) == (2, 2)
+    assert (tp1["tensor_parallel_size"], tp1["world_size"]) == (1, 1)
     # both processes of the pair train on the same batch of 16: as many steps as one process
     assert tp2["batch_size"] == tp1["batch_size"] == SMOKE_GLOBAL_BATCH
-    assert tp2["optimizer_steps"] == tp1["optimizer_steps"] == tp1["epochs"] * (1197 // SMOKE_GLOBAL_BATCH)
-    assert len(tp2["train_loss"]) == len(tp1["train_loss"]) == tp1["epochs"]
+    assert f"Batch 0000/{1197 // SMOKE_GLOBAL_BATCH:04d}" in smoke_runs(TP).out
+    assert len(tp2["train_loss"]) == len(tp1["train_loss"]) == 2
     for a, b in zip(tp2["train_loss"], tp1["train_loss"]):
         assert abs(a - b) <= LOSS_TOLERANCE * b, (tp2["train_loss"], tp1["train_loss"])
     assert abs(tp2["test_acc"] - tp1["test_acc"]) <= 0.02 and tp2["test_acc"] >= 0.85
-    # each training image counted once, though two processes trained on it
-    assert tp2["timed_images"] == tp1["timed_images"]
 
 
 @pytest.mark.slow
 def test_each_process_holds_half_of_each_mlp(smoke_runs):
     run = smoke_runs(TP)
     total, held = smoke_parameters()
-    assert run.record["parameters_per_process"] == [held, held]
     assert f"Parameters held per process: {held:,}, {held:,} of {total:,}" in run.out
-    assert run.record["strategy"] == "tensor-parallel+fsdp2"
 
 
 @pytest.mark.slow
@@ -83,11 +79,10 @@ def test_two_tensor_parallel_pairs_split_the_batch_between_them(tmp_path):
                       cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
-    assert (record["tensor_parallel_size"], record["data_parallel_size"], record["world_size"],
-            record["batch_size"]) == (2, 2, 4, 8)
-    assert record["optimizer_steps"] == record["batches_loaded"] == 8
-    assert record["timed_images"] == (8 - 3) * 16  # after the 3 untimed steps, 16 images a step
-    held = record["parameters_per_process"]
+    assert (record["tensor_parallel_size"], record["world_size"], record["batch_size"]) == (2, 4, 8)
+    assert "Batch 0000/0008" in proc.stdout  # 8 steps of 8 per replica
+    said = next(line for line in proc.stdout.splitlines() if line.startswith("Parameters held per process: "))
+    held = [int(n.replace(",", "")) for n in said.split(": ")[1].split(" of ")[0].split(", ")]
     total, held_tp2 = smoke_parameters()
     split = 2 * (total - held_tp2)  # the MLP parameters that tensor parallelism splits
     assert held[0] == held[1] and held[2] == held[3] and max(held) < held_tp2

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from run_keeping.checkpoints import LATEST
-from run_keeping.files import append_record, write_atomically
+from run_keeping.keeper import LATEST
+from run_keeping.record import append_record, write_atomically
 from conftest import ROOT, read_records, run_script, script_env
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
@@ -58,7 +58,7 @@ def test_a_folder_lock_taken_as_the_run_before_lets_go_holds_the_file_that_is_th
     """The run before removes its .lock as it lets go of it: a run that opened that file just
     before and locks it then would hold a file no longer in the folder. It opens the folder's
     .lock again, so the run after it finds the folder held, and by whom."""
-    from run_keeping import files
+    from run_keeping import keeper as files
     flock, locked = files.fcntl.flock, []
 
     def as_the_run_before_lets_go(fd, operation):
@@ -157,7 +157,7 @@ def test_full_disk_during_a_run(tmp_path, target, names, kept):
                              cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert went_on.returncode == 0, went_on.stderr[-3000:]
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
-    assert record["resumed"] and len(record["train_loss"]) == 2 and not ckpt.exists()
+    assert "Resuming from" in went_on.stdout and len(record["train_loss"]) == 2 and not ckpt.exists()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.reports import markdown_table  # noqa: E402
-from run_keeping.record import read_records, read_runs  # noqa: E402
+from run_keeping.reading import read_records, read_runs, whole  # noqa: E402
 from run_keeping.config import VITS, lessons  # noqa: E402
 
 REFERENCE = ROOT / "reference"
@@ -36,7 +36,7 @@ def when(records):
 
 
 def smoke_runs():
-    return [r for r in read_runs(REFERENCE / "smoke-runs.jsonl") if r["whole"]]
+    return [r for r in read_runs(REFERENCE / "smoke-runs.jsonl") if whole(r)]
 
 
 def seeds_of(script, records):
