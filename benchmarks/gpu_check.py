@@ -54,6 +54,8 @@ def parse_args(argv=None):
         "stage (default: the stage's)")
     add("--out", default="results/gpu-check", metavar="DIR", help="the report and records (default "
         "results/gpu-check under the folder it runs from)")
+    add("--plan", action="store_true", help="print each stage and the runs it would make, and the memory tables' "
+        "(benchmark.py --memory --talk, --sequel), on this machine's GPUs (or one); nothing runs")
     args = parser.parse_args(argv)
     from benchmarks.runs import SCRIPTS
     unknown = [n for n in args.scripts or [] if n.partition("@")[0] not in SCRIPTS or not n.partition("@")[2].isdigit()
@@ -214,10 +216,7 @@ def run_memory(check, name, settings, runs):
     if check.args.smoke:
         return ("skipped at smoke size: the smoke ViT is 0.4 M parameters, nothing to measure; "
                 "docs/benchmarks.md has the tables measured on a CPU"), ""
-    args = argparse.Namespace(**{**vars(check.args), "sequel": True, "talk": False, "memory_models_given": True,
-                                 "memory_models": [settings["vit"]],
-                                 "memory_scripts": [script[:2] for script, _ in runs]})
-    libraries = memory.libraries_gb(cuda=True)
+    args, libraries = memory_args(check.args, settings, runs), memory.libraries_gb(cuda=True)
     planned, notes = memory.memory_plan(args, True, libraries, gpus=check.gpus)
     cost = sum(check.estimate("memory run", (n, vit)) for vit, n, _ in planned)
     if cost > check.left():
@@ -237,6 +236,29 @@ def run_memory(check, name, settings, runs):
     if measured:
         memory.staircase_chart(measured, check.out / "memory-sequel.png", measured[0]["record"]["device_name"])
     return f"{len(measured)} of {len(planned)} runs", memory.memory_tables(rows, libraries, notes, True)
+
+
+def memory_args(args, settings, runs):
+    """benchmark.py --memory --sequel's settings for a memory stage: its lessons on its model."""
+    return argparse.Namespace(**{**vars(args), "sequel": True, "talk": False, "memory_models_given": True,
+                                 "memory_models": [settings["vit"]], "memory_scripts": [s[:2] for s, _ in runs]})
+
+
+def print_plan(args, gpus):
+    """--plan: each stage and the runs it would make, then the memory tables' runs; nothing runs."""
+    from benchmarks import memory
+    for number, (name, kind, title, settings, runs) in enumerate(plan(args), 1):
+        if kind == "memory":
+            planned, notes = memory.memory_plan(memory_args(args, settings, runs), True, 0.0, gpus=gpus)
+            runs = [f"{n} on {memory.VITS[vit]}, {count} process(es)" for vit, n, count in planned] + notes
+        else:
+            runs = [f"{script[:2]} at batch {batch}" if batch else script[:2] for script, batch in runs]
+        print(f"{number}. {name}: {title}\n   " + ("; ".join(runs) or "no lesson"))
+    for table in ("talk", "sequel"):
+        tables = argparse.Namespace(memory_scripts=None, sequel=table == "sequel", memory_models_given=False, memory_models=[])
+        planned, notes = memory.memory_plan(tables, True, 0.0, gpus=gpus)
+        print(f"benchmark.py --memory --{table}: " + "; ".join(
+            [f"{n} on {memory.VITS[vit]}, {count} process(es)" for vit, n, count in planned] + notes))
 
 
 def report_text(check, current=None):
@@ -265,6 +287,9 @@ def main(argv=None):
     from run_keeping.config import fail
     args = parse_args(argv)
     check = Check(args)
+    if args.plan:
+        print(f"On {check.gpus or 1} GPU(s):")
+        return print_plan(args, check.gpus or 1)
     if check.gpus == 0 and not args.smoke:
         fail("no CUDA GPU found (torch sees none). On a CPU, run the same check at smoke size: "
              "bash gpu_check.sh --smoke")

@@ -222,12 +222,13 @@ def pytest_sessionfinish(session, exitstatus):
 # smoke runs other tests read, then the other slow tests, then the quick ones: pytest.ini hands
 # out one test at a time to whichever worker is free, so the workers finish together instead of
 # one running a long test alone at the end.
-LONGEST = ("test_the_readme_job_on_a_real_slurm", "test_each_lesson_saves_what_its_arithmetic_says",
+LONGEST = ("test_the_readme_job_on_a_real_slurm", "test_a_new_lesson_is_its_script_and_one_row",
+           "test_each_lesson_saves_what_its_arithmetic_says",
            "test_the_gpu_path_runs_on_a_cpu", "test_every_documented_command_leaves_the_checkout_clean",
            "test_killed_then_resumed_equals_uninterrupted", "test_a_lost_machine_stops_the_other",
            "test_smoke_run_learns_and_records[02", "test_the_fast_recipe_beats_04_on_the_demo",
            "test_cifar10_downloaded_once", "test_gpu_check_at_smoke_size",
-           "test_a_signal_mid_epoch_saves_where_the_run_is", "test_every_printed_command_runs_as_printed",
+           "test_a_signal_mid_epoch_keeps_the_last_epochs_checkpoint", "test_every_printed_command_runs_as_printed",
            "test_runs_started_together", "test_smoke_run_learns_and_records")
 
 

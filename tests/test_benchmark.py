@@ -1,6 +1,5 @@
 """benchmark.py and gpu_check.sh: MFU from the right peaks, the table from the records, the bare
 loop beside each configuration, and the one GPU command at smoke size."""
-import argparse
 import os
 import re
 import shlex
@@ -220,7 +219,6 @@ def test_gpu_check_at_smoke_size(tmp_path):
                                                               record["precision"], record["world_size"])
         assert float(row[5]) == pytest.approx(record["images_per_s"], abs=0.06)
         assert row[7] != "-"  # every script has its bare loop to compare with
-    assert "16 at batch 16: its first 3 steps, with torch.compile's first compile, took" in report
     assert "What this run shows, on CPU" in report and "What it cannot say: anything about a GPU" in report
     # its own outputs, nothing else: no model file, no checkpoint, under it or where it ran
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.jsonl", "gpu-check.md"]

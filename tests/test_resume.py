@@ -12,7 +12,7 @@ import torch
 import local_utilities as lu
 from run_keeping.keeper import LATEST, RunKeeper
 from conftest import ROOT, TWO_NODES, check_ok, finish, images_bf16_may_flip, kill_group, read_records, \
-    run_script, script_env, smoke_logits, start, start_script, wait_for
+    run_script, script_env, smoke_logits, start, wait_for
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
 

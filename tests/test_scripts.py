@@ -490,7 +490,7 @@ def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
 # The lines a forked run prints otherwise: its times and speed, which the machine's load moves, and
 # its peak memory, which counts only the pages of the libraries' files that the process itself
 # touches (a fresh one reads them all in as it loads; 0.92 against 0.61 GB for 01 here)
-MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput|BUSY:) .*$", re.M)
+MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput|Checkpoints:|BUSY:) .*$", re.M)
 
 
 @pytest.mark.slow

@@ -354,9 +354,9 @@ def gpu_check_findings():
 
 def gpu_check_plan():
     from benchmarks import gpu_check
-    cells = [[f"{number}. {name}", title, " ".join(s[:2] for s in gpu_check.stage_scripts(name)) or "-",
-              settings.get("rounds", "-")]
-             for number, (name, kind, title, settings) in enumerate(gpu_check.STAGES, 1)]
+    plan = gpu_check.plan(gpu_check.parse_args([]))  # its titles name the lessons lessons.csv gives each stage
+    cells = [[f"{number}. {name}", title, " ".join(s[:2] for s, _ in runs) or "-", settings.get("rounds", "-")]
+             for number, (name, kind, title, settings, runs) in enumerate(plan, 1)]
     defaults = ", ".join(f"{kind} {seconds} s" for kind, seconds in gpu_check.DEFAULT_S["full"].items())
     return "\n".join([*markdown_table(["stage", "what it measures", "lessons", "rounds"], cells), "", "Before a "
                       f"run of its kind has run in the check, a run is planned at a plain default: {defaults}."])
