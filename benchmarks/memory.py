@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.runs import (SCRIPTS, RunFailed, ask, make_strategy, memory_env, process_range, run,
-                             run_script, say)
+from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, memory_env, process_range, run,
+                             run_script, print_answer)
 from benchmarks.reports import fmt, markdown_table
 from run_keeping.config import VITS, device_name, lessons, native_bf16
 from run_keeping.record import append_record
@@ -76,7 +76,7 @@ def memory_run(args):
         after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
         held = torch.tensor([float(sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters()))], device=fabric.device)
         afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
-        say("MEMORY", {"model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
+        print_answer("MEMORY", {"model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
                        "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
                        "libraries_gb": libraries / 1e9, "device": fabric.device.type}, fabric)
         del model, optimizer, features, targets, loss
@@ -136,7 +136,7 @@ def memory_report(args):
             continue
         print(f"measuring {', '.join(models)} under {strategy}", file=sys.stderr, flush=True)
         try:
-            found, _ = ask("MEMORY", ["--memory-run", strategy, *models, "--accelerator", args.accelerator],
+            found, _ = run_internal_mode("MEMORY", ["--memory-run", strategy, *models, "--accelerator", args.accelerator],
                            env=memory_env(cuda))
             rows += found
         except RunFailed as err:

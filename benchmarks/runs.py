@@ -94,11 +94,12 @@ def run_script(script, flags, results, env=None, timeout=None):
 
 
 # -- the benchmark's own child processes ----------------------------------------------------------
-def say(tag, answer, fabric=None):
+def print_answer(tag, answer, fabric=None):
+    """An internal mode's answer, one line `TAG {json}` on process 0's stdout, for run_internal_mode."""
     (fabric.print if fabric is not None else print)(f"{tag} {json.dumps(answer)}", flush=True)
 
 
-def ask(tag, flags, env=None, timeout=None):
+def run_internal_mode(tag, flags, env=None, timeout=None):
     """benchmark.py in one of its internal modes: (every answer it said under `tag`, wall seconds), or
     RunFailed."""
     out, seconds = run([sys.executable, str(ROOT / "benchmark.py"), *flags], env, timeout)

@@ -282,11 +282,13 @@ class RunKeeper:
                 latest.update(flags=started_flags(), launch=launch)  # a requeued job or torchrun restart has the same
                 write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
                 for older in self.folder.glob("epoch-*.ckpt"):
-                    remove(older) if older.name != name else None
+                    if older.name != name:
+                        remove(older)
         except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
             if lost_peer(self.world_size, err):
                 raise  # not the disk: a process of the run is gone (explain says so)
-            remove(partial) if self.rank == 0 else None
+            if self.rank == 0:
+                remove(partial)
             full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
@@ -312,8 +314,8 @@ class RunKeeper:
                 self.fabric.load(path, state)
             else:
                 saved_state = torch.load(path, map_location="cpu", weights_only=True)
-                for key in ("model", "optimizer", "scheduler"):
-                    state[key].load_state_dict(saved_state[key]) if key in state else None
+                for key in {"model", "optimizer", "scheduler"} & state.keys():
+                    state[key].load_state_dict(saved_state[key])
                 state.update(progress=saved_state["progress"], rng=saved_state["rng"])
         except Exception as err:  # a truncated or foreign file fails in many ways
             fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")

@@ -35,7 +35,9 @@ NOT_MEASURED = {
 
 
 def test_every_block_is_what_its_records_make():
-    assert figures.differing() == []
+    stale = figures.differing()
+    assert not stale, (f"{stale}: these pages' tables are not what lessons.csv and reference/ make now: run "
+                       "python tools/figures.py (docs/adding-a-lesson.md)")
 
 
 def outside_blocks(text):
@@ -129,6 +131,7 @@ RUN = {
     "python benchmark.py --peaks": "python benchmark.py --peaks",
     "python make_smoke_weights.py": "python make_smoke_weights.py --images 100 --steps 2",
     "python tools/figures.py": "python tools/figures.py",
+    "bash gpu_check.sh --plan": "bash gpu_check.sh --plan",
     "python tools/bf16_probe.py": "python tools/bf16_probe.py",
     "for s in 03 04 05 06 07 09 10 11 12 13 14 15; do ONEDNN_MAX_CPU_ISA=AVX2 python ${s}_*.py --smoke; done":
         "for s in 04; do ONEDNN_MAX_CPU_ISA=AVX2 python ${s}_*.py --smoke --max-steps 4 --epochs 1; done",
@@ -137,6 +140,7 @@ ELSEWHERE = {  # why a documented command does not run here, and what runs it or
     "pip install -r requirements.txt && python -m pytest -q": "this suite",
     "python -m pytest -q": "this suite", "python -m pytest -q -m \"not slow\"": "this suite",
     "python -m pytest -q -n 0": "this suite",
+    "ruff check --select I --fix 17_your-lesson.py": "a contributor's new lesson: test_layout.py's new-lesson test runs it",
     "python 00_pytorch-vit-random-init.py": "a GPU's", "python 01_pytorch-vit.py": "a GPU's",
     "python 04_fabric-vit-mixed-precision.py": "a GPU's", "python 05_fabric-vit-mixed-ddp.py": "a GPU's",
     "python 09_fabric-vit-fast.py": "a GPU's, and CIFAR-10 and the weights downloaded",
