@@ -138,7 +138,7 @@ def private_names(path):
 
 
 # What a lesson's run may read: at most this many of the project's files and lines. The goal is
-# 1,200 lines; what runs beneath a lesson today (1,336 formatted, where there were 2,821 in 8 files)
+# 1,200 lines; what runs beneath a lesson today (1,345 formatted, where there were 2,821 in 8 files)
 # keeps every behaviour docs/run-keeping.md lists, and each of those left to cut is one a user relies
 # on (a bad value's one line, a launch's counts checked, a resume's settings checked, the busy flag).
 RUN_PATH_FILES, RUN_PATH_LINES = 5, 1350

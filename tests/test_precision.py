@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks import memory, throughput
 from conftest import ROOT, YARDSTICK, native_bf16, run_script, script_env
+from run_keeping.config import lessons
 from run_keeping.reading import precision_asked, upgrade
 
 # bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
@@ -82,17 +83,17 @@ def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(s
 # and emulated bfloat16 stays above the guard (04: (103 - 10) / 19 = 4.9).
 EMULATION_GUARD = 4.0
 
-# FSDP2 on 2 CPU processes (06, 07, 10, 15) takes over 2x 03's time whatever the precision: with
-# native bfloat16 here 06's smoke run took 3.1x 03's (its two processes start one after the
-# other, and FSDP2 gathers each block over gloo twice a step); their bound is the float32 run itself.
-WITHIN_TWICE_03 = ["04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py", "09_fabric-vit-fast.py",
-                   "11_fabric-vit-bf16-true.py", "12_fabric-vit-grad-accumulation.py",
-                   "13_fabric-vit-activation-checkpointing.py", "14_fabric-vit-sgd-cosine.py"]
+# FSDP2 on 2 CPU processes takes over 2x 03's time whatever the precision: with native bfloat16
+# here 06's smoke run took 3.1x 03's (its two processes start one after the other, and FSDP2
+# gathers each block over gloo twice a step); their bound is the float32 run itself. The lessons
+# that ask for a bf16 precision, from lessons.csv; those that neither shard nor compile (a compile's
+# CPU seconds are its own) are held to the guard.
+BF16_LESSONS = [s for s, row in lessons().items() if (row["precision"] or "").startswith("bf16")]
+WITHIN_TWICE_03 = [s for s in BF16_LESSONS if "fsdp" not in lessons()[s]["strategy"] and not lessons()[s]["compiles"]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", [*WITHIN_TWICE_03, "06_fabric-vit-mixed-fsdp.py", "07_fabric-vit-mixed-fsdp-with-scheduler.py",
-                                    "10_fabric-vit-tensor-parallel.py", "15_fabric-vit-fsdp-cpu-offload.py"])
+@pytest.mark.parametrize("script", BF16_LESSONS)
 def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs, script):
     """On a CPU without native bfloat16, every script that asks for a bf16 precision ran float32,
     never emulated bfloat16, its record saying what was asked; the one-process lessons and 05
