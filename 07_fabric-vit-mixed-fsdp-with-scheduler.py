@@ -93,8 +93,8 @@ if __name__ == "__main__":
 
         model = fabric.setup_module(model)  # [03] instead of model.to(device)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
-        optimizer = fabric.setup_optimizers(optimizer)  # [03] new
         scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)  # [07] new: its state is the optimizer's lr
+        optimizer = fabric.setup_optimizers(optimizer)  # [03] new
 
         #########################################
         ### 3 Finetuning

@@ -57,7 +57,8 @@ def uint8_splits(args):
     splits["test"] = (torch.from_numpy(test.data).permute(0, 3, 1, 2), torch.tensor(test.targets))
     if args.max_steps:
         n = args.max_steps * args.batch_size * args.world_size
-        splits["train"] = tuple(t[:n] for t in splits["train"])
+        train_images, train_labels = splits["train"]
+        splits["train"] = (train_images[:n], train_labels[:n])
     return splits
 
 
@@ -153,8 +154,9 @@ if __name__ == "__main__":
         if gpu_path:  # before setup, as Fabric's docs ask: setup compiles again around DDP's wrapper
             model = torch.compile(model)
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(make_optimizer(model, args, fused=gpu_path))
+        optimizer = make_optimizer(model, args, fused=gpu_path)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(args.epochs * len(train_data)))
+        optimizer = fabric.setup_optimizers(optimizer)
 
         # 3 Finetuning, 4 evaluation
         keeper.keep_in_checkpoints(scheduler)

@@ -94,9 +94,9 @@ if __name__ == "__main__":
 
         model = fabric.setup_module(model)  # [03] instead of model.to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)  # [14] instead of Adam(...): no momentum, so no state per parameter
-        optimizer = fabric.setup_optimizers(optimizer)  # [03] new
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * (len(train_loader) // 4))  # [14] new: T_max in optimizer steps, one per 4 micro-batches (the sequel counted micro-batches)
         optimizer.register_step_post_hook(lambda *_: scheduler.step())  # [14] new: the schedule steps with the optimizer
+        optimizer = fabric.setup_optimizers(optimizer)  # [03] new
 
         #########################################
         ### 3 Finetuning

@@ -134,8 +134,7 @@ def main(argv=None):
     if args.peaks:
         return print("\n".join(peaks.peaks_table()))
     if args.memory:
-        text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else \
-            (*memory.memory_report(args), 0)
+        text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else memory.memory_report(args)
     else:
         (text, failed), chart = measure_throughput(args), None
     print("\n" + text)

@@ -61,9 +61,10 @@ def get_dataloaders(args):
     if args.max_steps:
         train = Subset(train, range(min(len(train), args.max_steps * args.batch_size * args.data_parallel)))
     workers = 0 if args.smoke or args.synthetic else args.num_workers  # their data are in memory
-    common = dict(batch_size=args.batch_size // args.micro_batches, num_workers=workers)
-    train_loader = DataLoader(train, shuffle=True, drop_last=True, **common)
-    return train_loader, DataLoader(val, shuffle=False, **common), DataLoader(test, shuffle=False, **common)
+    batch = args.batch_size // args.micro_batches
+    train_loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers)
+    val_loader = DataLoader(val, batch_size=batch, num_workers=workers)
+    return train_loader, val_loader, DataLoader(test, batch_size=batch, num_workers=workers)
 
 
 def cifar10_datasets(data_dir, download=True):
@@ -151,8 +152,15 @@ def smoke_vit():
     printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
 
-    shape = dict(image_size=SMOKE_IMAGE_SIZE, patch_size=8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256)
-    return VisionTransformer(**shape, num_classes=NUM_CLASSES)
+    return VisionTransformer(
+        image_size=SMOKE_IMAGE_SIZE,
+        patch_size=8,
+        num_layers=3,
+        num_heads=4,
+        hidden_dim=128,
+        mlp_dim=256,
+        num_classes=10,
+    )
 
 
 def build_vit(weights, args):
@@ -173,7 +181,7 @@ def build_vit(weights, args):
         model, init = vits.get_model(vit, weights=None), "random init"
     else:
         model, init = pretrained(vit, weights), f"ImageNet-pretrained, {weights}"
-    model.init = init
+    setattr(model, "init", init)  # a note beside torchvision's own attributes
     return model
 
 

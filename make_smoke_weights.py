@@ -44,10 +44,17 @@ def digit_fonts():
         if path.stem in ("cmex10", "cmsy10"):  # TeX's symbol fonts: their "digits" are symbols
             continue
         font = ImageFont.truetype(str(path), 40)
-        shapes = {bytes(font.getmask(str(d))) for d in range(10)}
+        shapes = {glyph_bytes(font, str(d)) for d in range(10)}
         if len(shapes) == 10 and all(any(s) for s in shapes):
             fonts.append(path)
     return fonts
+
+
+def glyph_bytes(font, text):
+    from PIL import Image, ImageDraw
+    image = Image.new("L", (64, 64))
+    ImageDraw.Draw(image).text((8, 8), text, fill=255, font=font)
+    return image.tobytes()
 
 
 def render_digits(count, seed, fonts=None):
@@ -67,16 +74,16 @@ def render_digits(count, seed, fonts=None):
         ImageDraw.Draw(glyph).text((48, 48), str(label), fill=255, font=cache[key], anchor="mm",
                                    stroke_width=key[1], stroke_fill=255)
         slant = rng.uniform(-0.3, 0.3)
-        glyph = glyph.transform(glyph.size, Image.AFFINE, (1, slant, -slant * 48, 0, 1, 0),
-                                resample=Image.BILINEAR)
-        glyph = glyph.rotate(rng.uniform(-15, 15), resample=Image.BILINEAR)
+        glyph = glyph.transform(glyph.size, Image.Transform.AFFINE, (1, slant, -slant * 48, 0, 1, 0),
+                                resample=Image.Resampling.BILINEAR)
+        glyph = glyph.rotate(rng.uniform(-15, 15), resample=Image.Resampling.BILINEAR)
         box = glyph.getbbox()
         if box is None:
             continue
         glyph = glyph.crop(box)
         height = rng.randint(24, CANVAS + 1)
         width = max(1, min(CANVAS, round(glyph.width * height / glyph.height * rng.uniform(0.7, 1.3))))
-        glyph = glyph.resize((width, height), Image.BILINEAR)
+        glyph = glyph.resize((width, height), Image.Resampling.BILINEAR)
         canvas = Image.new("L", (CANVAS, CANVAS))
         canvas.paste(glyph, (rng.randint(0, CANVAS - width + 1), rng.randint(0, CANVAS - height + 1)))
         bits = elastic(np.asarray(canvas, dtype=np.float32), rng) >= 128

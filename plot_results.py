@@ -134,12 +134,13 @@ def order(item):
 def summarise(runs):
     """One script's runs (one per seed) as one: the latest's fields, each figure the mean, with n and
     each (min, max) in "range"."""
-    summary = dict(runs[-1], n=len(runs), range={})
+    ranges = {}
+    summary = dict(runs[-1], n=len(runs), range=ranges)
     for key in SPREAD:
         values = [r[key] for r in runs if r.get(key) is not None]
         if values:
             summary[key] = sum(values) / len(values)
-            summary["range"][key] = (min(values), max(values))
+            ranges[key] = (min(values), max(values))
     return summary
 
 

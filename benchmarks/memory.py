@@ -9,6 +9,7 @@ import sys
 import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast  # Fabric's setup_optimizers and all_gather: one in, one out
 
 import torch
 
@@ -34,8 +35,10 @@ def process_memory(cuda):
 
 
 def reset_peak_memory(cuda):
-    from run_keeping.keeper import forget_cpu_peak
-    torch.cuda.reset_peak_memory_stats() if cuda else forget_cpu_peak()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    else:  # Linux: the peak resident set (VmHWM) starts again from the current one
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def memory_run(args):
@@ -45,6 +48,7 @@ def memory_run(args):
     import lightning as L
     import torch.nn.functional as F
     import torchvision.models
+    from torch.distributed.tensor import DTensor
     strategy, *models = args.memory_run
     processes, record_name, tensor_parallel = MEMORY_STRATEGIES[strategy]
     accelerator = args.accelerator  # auto is resolved by benchmark.parse_args
@@ -63,7 +67,7 @@ def memory_run(args):
                 p.normal_(0, 0.02)
         parameters = sum(p.numel() for p in model.parameters())
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
+        optimizer = cast(torch.optim.Optimizer, fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5)))
         gc.collect()
         reset_peak_memory(cuda)
         features = torch.rand(2, 3, size, size, device=fabric.device)
@@ -74,8 +78,8 @@ def memory_run(args):
             fabric.backward(loss)
             optimizer.step()
         after, peak = (torch.tensor([float(b)], device=fabric.device) for b in process_memory(cuda))
-        held = torch.tensor([float(sum(p.to_local().numel() if hasattr(p, 'to_local') else p.numel() for p in model.parameters()))], device=fabric.device)
-        afters, peaks, helds = (fabric.all_gather(t).flatten().tolist() for t in (after, peak, held))
+        held = torch.tensor([float(sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()))], device=fabric.device)
+        afters, peaks, helds = (cast(torch.Tensor, fabric.all_gather(t)).flatten().tolist() for t in (after, peak, held))
         print_answer("MEMORY", {"model": name, "strategy": strategy, "processes": processes, "parameters": parameters,
                        "held": helds, "after_gb": [a / 1e9 for a in afters], "peak_gb": [p / 1e9 for p in peaks],
                        "libraries_gb": libraries / 1e9, "device": fabric.device.type}, fabric)
@@ -114,10 +118,10 @@ def available_memory(cuda):
 
 def memory_report(args):
     """--memory: each strategy in processes of its own, the models in turn: (the table, the chart's
-    path)."""
+    path, the strategies that failed or measured nothing)."""
     cuda = args.accelerator == "cuda"
     gpus = torch.cuda.device_count() if cuda else 0
-    budget, rows, notes = available_memory(cuda), [], []
+    budget, rows, notes, failed = available_memory(cuda), [], [], []
     for strategy, (processes, _, _) in MEMORY_STRATEGIES.items():
         if cuda and processes > gpus:
             notes.append(f"{strategy}: skipped, it needs {processes} GPUs and this machine has {gpus}")
@@ -141,6 +145,7 @@ def memory_report(args):
             rows += found
         except RunFailed as err:
             notes.append(f"{strategy}: FAILED ({err})")
+            failed.append(strategy)
     when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     for r in rows:  # records, from which strategy_table makes its table again
         r.update(device_name=device_name("cuda" if cuda else "cpu"), timestamp=when, notes=notes)
@@ -148,7 +153,8 @@ def memory_report(args):
     chart = Path(args.results).parent / "memory.png"
     if rows:
         memory_chart(rows, chart, rows[0]["device_name"])
-    return strategy_table(rows, notes), chart if rows else None
+    unmeasured = len(MEMORY_STRATEGIES) - len({r["strategy"] for r in rows})
+    return strategy_table(rows, notes), chart if rows else None, unmeasured if not rows else len(failed)
 
 
 def strategy_table(rows, notes=None):
@@ -243,11 +249,12 @@ SIZE, TOKENS = 224, (224 // 16) ** 2 + 1  # the talk's images: 196 patches and t
 def vit_shape(vit):
     """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block)."""
     import torchvision.models
+    from torchvision.models.vision_transformer import EncoderBlock
     with torch.device("meta"):
         model = torchvision.models.get_model(vit, num_classes=10)
-    block = model.encoder.layers[0]
-    return (sum(p.numel() for p in model.parameters()), len(model.encoder.layers), model.hidden_dim,
-            model.mlp_dim, sum(p.numel() for p in block.parameters()))
+    blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
+    return (sum(p.numel() for p in model.parameters()), len(blocks), model.hidden_dim,
+            model.mlp_dim, sum(p.numel() for p in blocks[0].parameters()))
 
 
 def arithmetic(record):

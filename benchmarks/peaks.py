@@ -34,11 +34,12 @@ def peak_tflops(device_name, precision, given=None):
     table; None where nobody knows."""
     if given and precision in given:
         return given[precision]
-    if UNIT.get(precision) is None:
+    unit = UNIT.get(precision)
+    if unit is None:
         return None
     for part, peaks in PEAKS:
         if part.lower() in device_name.lower():
-            return peaks[UNIT[precision]]
+            return peaks[unit]
     if not torch.cuda.is_available() or torch.cuda.get_device_name() != device_name:
         return None
     from lightning.fabric.utilities.throughput import get_available_flops

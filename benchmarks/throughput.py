@@ -12,6 +12,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import cast  # Fabric's setup_optimizers and all_reduce: one in, one out
 
 import torch
 import torch.utils.data as torch_data
@@ -111,7 +112,7 @@ def bare_loop(args):
     model = fabric.setup_module(model)
     # 09 steps with the fused AdamW where it compiles (on a GPU, or with --compile-on-cpu)
     fused = spec["optimizer"] == "AdamW" and spec["compile_mode"] is not None
-    optimizer = fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(), fused))
+    optimizer = cast(torch.optim.Optimizer, fabric.setup_optimizers(make_optimizer(spec["optimizer"], model.parameters(), fused)))
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     features = torch.rand(spec["batch"] // micro, 3, size, size, device=fabric.device)
     targets = torch.randint(0, 10, (spec["batch"] // micro,), device=fabric.device)
@@ -129,12 +130,12 @@ def bare_loop(args):
         optimizer.step()
     if cuda:
         torch.cuda.synchronize()
-    seconds = fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")
+    seconds = float(cast(torch.Tensor, fabric.all_reduce(torch.tensor(time.perf_counter() - start), reduce_op="max")))
     images = (steps - WARMUP_STEPS) * spec["batch"] * fabric.world_size // spec["tensor_parallel"]
-    memory = fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")
-    waited = fabric.all_reduce(torch.tensor(waiting_share(since)), reduce_op="max")
-    print_answer("BARE", {"images_per_s": images / float(seconds), "peak_memory_gb": float(memory),
-                 "cpu_wait_share": float(waited), "compile_mode": spec["compile_mode"]}, fabric)
+    memory = float(cast(torch.Tensor, fabric.all_reduce(torch.tensor(peak_memory_gb("cuda" if cuda else "cpu")), reduce_op="max")))
+    waited = float(cast(torch.Tensor, fabric.all_reduce(torch.tensor(waiting_share(since)), reduce_op="max")))
+    print_answer("BARE", {"images_per_s": images / seconds, "peak_memory_gb": memory,
+                 "cpu_wait_share": waited, "compile_mode": spec["compile_mode"]}, fabric)
     fabric.barrier()
     sys.stdout.flush()
     if fabric.world_size > 1:

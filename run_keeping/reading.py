@@ -5,6 +5,7 @@ itself, each with one line for what is wrong with it.
 
 import json
 from pathlib import Path
+from typing import Any
 
 from run_keeping.config import fail, lessons
 from run_keeping.record import REQUIRED, VERSION, why_unloadable
@@ -20,7 +21,7 @@ def precision_asked(record):
     return record.get("precision_asked") or (lessons().get(record["script"]) or {}).get("precision") or "32-true"
 
 
-def upgrade(record):
+def upgrade(record) -> dict[str, Any]:
     """A record as this version writes it: the fields it kept under their names, None for each it
     lacks; an older record's other fields stay."""
     old = dict(record)

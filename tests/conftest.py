@@ -90,6 +90,14 @@ def pytest_unconfigure(config):
         shutil.rmtree(Path(_warm[0].address).parent, ignore_errors=True)
 
 
+class Ran(subprocess.CompletedProcess):
+    """A finished script: subprocess's fields, and its wall-clock seconds."""
+
+    def __init__(self, args, returncode, stdout, stderr, wall_s):
+        super().__init__(args, returncode, stdout, stderr)
+        self.wall_s = wall_s
+
+
 def run_script(script, *flags, cwd, timeout=240, env=None, fresh=False):
     """Run a numbered script from the project (or the script at a path) in `cwd`; results, data
     and checkpoints land there (relative defaults). Started as start_script starts it; at the
@@ -101,9 +109,7 @@ def run_script(script, *flags, cwd, timeout=240, env=None, fresh=False):
     except subprocess.TimeoutExpired:
         kill_group(started)
         raise
-    proc = subprocess.CompletedProcess(started.args, started.returncode, out, err)
-    proc.wall_s = time.monotonic() - start
-    return proc
+    return Ran(started.args, started.returncode, out, err, wall_s=time.monotonic() - start)
 
 
 def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -45,11 +46,11 @@ def test_peak_tflops_per_precision_overrides_the_table():
     assert peaks.peak_tflops("CPU Xeon", "32-true", {}) is None  # no GPU here: no MFU
 
 
-def round_records(script, precision, rates, processes=1, batch=16):
+def round_records(script, precision, rates, processes=1, batch=16, device="NVIDIA H200") -> list[dict[str, Any]]:
     """A configuration's records over the rounds: what its script appended in each."""
     return [upgrade({"script": script, "batch_size": batch, "precision": precision, "world_size": processes,
                      "strategy": "single-device" if processes == 1 else "ddp", "images_per_s": rate,
-                     "peak_memory_gb": 3.0, "device_name": "NVIDIA H200"}) for rate in rates]
+                     "peak_memory_gb": 3.0, "device_name": device}) for rate in rates]
 
 
 def test_mfu_and_ratios_in_the_rows():
@@ -126,12 +127,11 @@ def test_the_ranking_tells_apart_only_what_every_round_agrees_on(rates, told_apa
 
 def test_the_verdict_says_what_the_machine_showed_and_what_it_cannot(tmp_path):
     args = benchmark.parse_args(["--smoke"])
+    cpu = "CPU Intel(R) Xeon(R) Processor (2 cores)"
     measured = {
-        ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 100, 100]),
+        ("01_pytorch-vit.py", 16): {"records": round_records("01_pytorch-vit.py", "32-true", [100, 100, 100], device=cpu),
                                     "bares": [{"images_per_s": b, "peak_memory_gb": 1.0} for b in (120, 60, 121)]},
-        ("04_fabric-vit-mixed-precision.py", 16): {"records": round_records("04_fabric-vit-mixed-precision.py", "bf16-mixed", [70, 71, 69]), "bares": []}}
-    for record in (r for runs in measured.values() for r in runs["records"]):
-        record["device_name"] = "CPU Intel(R) Xeon(R) Processor (2 cores)"
+        ("04_fabric-vit-mixed-precision.py", 16): {"records": round_records("04_fabric-vit-mixed-precision.py", "bf16-mixed", [70, 71, 69], device=cpu), "bares": []}}
     lines = throughput.verdict(throughput.rows_of(measured, 1e9, args), args, "CPU Intel(R) Xeon(R) Processor (2 cores)")
     text = "\n".join(lines)
     assert "From fastest to slowest (one process, batch 16; >: faster in every round" in text and ": 01 > 04." in text

@@ -175,8 +175,9 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
         train = fast["DeviceData"](splits["train"], fabric, 16, 32, True, 123)
         val = fast["DeviceData"](splits["val"], fabric, 120, 32, False, 123)
         model = fabric.setup_module(lu.smoke_vit())
-        optimizer = fabric.setup_optimizers(fast["make_optimizer"](model, args, fused=False))
+        optimizer = fast["make_optimizer"](model, args, fused=False)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fast["warmup_then_cosine"](2 * len(train)))
+        optimizer = fabric.setup_optimizers(optimizer)
         keeper.keep_in_checkpoints(scheduler)
         keeper.resume(model, optimizer, train)
         with CountReads():

@@ -98,7 +98,9 @@ def test_08_reads_ordinary_pictures_of_digits(smoke_runs, tmp_path, monkeypatch,
         assert named or guess, text
         assert ("inverted" in text) == (polarity == "dark-on-light"), text
         said[polarity].append(named[1] if named else None)
-        guessed.append((digit, (named or guess)[1]))
+        found = named or guess
+        assert found is not None
+        guessed.append((digit, found.group(1)))
     assert said["dark-on-light"] == said["light-on-dark"]  # the same picture, either way
     light = said["light-on-dark"]
     named_right = [label == str(digit) for digit, label in enumerate(light) if label is not None]

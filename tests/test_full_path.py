@@ -38,10 +38,11 @@ def serve(directory):
             super().__init__(*args, directory=str(directory), **kwargs)
 
         def do_GET(self):
+            assert isinstance(self.server, CountingServer)
             self.server.requests += 1
             super().do_GET()
 
-        def log_message(self, *args):
+        def log_message(self, format, *args):
             pass
     server = CountingServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

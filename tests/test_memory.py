@@ -189,13 +189,13 @@ def test_15s_parallelize_offloads_every_unit_and_06s_none():
     none. FSDP2 says a unit's policy only through a private name (_get_fsdp_state): this test, off
     every lesson's run, is where a torch release that renames it shows."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     import local_utilities as lu
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu", mesh_dim_names=("data_parallel",))
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
         for parallelize, offloaded in ((lu.fsdp_each_encoder_block_offloaded, 4), (lu.fsdp_each_encoder_block, 0)):
             units = [m for m in parallelize(lu.smoke_vit(), mesh).modules() if isinstance(m, FSDPModule)]
             policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in units]

@@ -35,7 +35,7 @@ def plot_here(*flags, cwd):
                 plot_results.main(list(flags))
                 code = 0
             except SystemExit as stop:
-                code = stop.code
+                code = stop.code if isinstance(stop.code, int) else 1
     finally:
         os.chdir(here)
     return subprocess.CompletedProcess(["plot_results.py", *flags], code, out.getvalue(), err.getvalue())

@@ -613,7 +613,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     fabric = L.Fabric(accelerator="cpu", devices=1)
     model = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
-    model.module.conv_proj.weight.data.fill_(0.25)
+    model.get_parameter("conv_proj.weight").data.fill_(0.25)
     keeper = RunKeeper(args, fabric)
     keeper.resume(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
@@ -624,7 +624,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     fresh_optimizer = fabric.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=5e-5))
     resumed = RunKeeper(args, fabric)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
-    assert resumed.start_epoch == 1 and bool((fresh.module.conv_proj.weight == 0.25).all())
+    assert resumed.start_epoch == 1 and bool((fresh.get_parameter("conv_proj.weight") == 0.25).all())
     ended(resumed)
 
 

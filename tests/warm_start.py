@@ -22,6 +22,7 @@ The multiprocessing module's forkserver preloads modules too, but runs a functio
 script: its processes end with os._exit (no exit handlers, which the scripts' checkpoint lock
 needs), and it gives neither the standard streams nor a program's exit codes.
 """
+import importlib
 import json
 import os
 import runpy
@@ -75,7 +76,7 @@ def serve(address):
             else:  # a script's process ended: its exit code, as subprocess gives it
                 pid, conn = key.data
                 waiting.unregister(key.fileobj)
-                os.close(key.fileobj)
+                os.close(key.fd)
                 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                 try:
                     conn.sendall(f"{code}\n".encode())
@@ -101,7 +102,7 @@ def become(request, fds):
         sys.path[1:1] = hooks  # does at start-up (here after the libraries: the hooks patch what a
         sys.modules.pop("sitecustomize", None)  # run calls, which is there either way)
         try:
-            import sitecustomize  # noqa: F401
+            importlib.import_module("sitecustomize")
         except ModuleNotFoundError as missing:
             if missing.name != "sitecustomize":
                 raise
@@ -129,7 +130,7 @@ class WarmStarts:
             self.server = subprocess.Popen([sys.executable, __file__, self.address], env=self.env,
                                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
                                            start_new_session=True)
-            if self.server.stdout.readline().strip() != "ready":
+            if self.server.stdout is None or self.server.stdout.readline().strip() != "ready":
                 self.server.wait()
                 self.server, self.failed = None, True
         return self.server is not None
@@ -219,7 +220,7 @@ class Started:
         return (texts[0], texts[1] if len(texts) > 1 else None)
 
     def send_signal(self, sig):
-        if self.poll() is None:
+        if self.poll() is None and self.pid is not None:
             os.kill(self.pid, sig)
 
     def kill(self):

@@ -321,8 +321,8 @@ def gpu_check_findings():
     """docs/benchmarks.md: what the checks on the H200 took and showed: minutes, a run's own cost, 02's
     first compile, MFU."""
     checks, rows = h200_rows()
-    used = [re.search(r"Time: ([\d.]+) of the (\d+) min", (REFERENCE / f"gpu-check-h200-{n}.md").read_text()).groups()
-            for n in (1, 2)]
+    reports = [(REFERENCE / f"gpu-check-h200-{n}.md").read_text() for n in (1, 2)]
+    used = [re.findall(r"Time: ([\d.]+) of the (\d+) min", report)[0] for report in reports]
     own = []  # seconds between two records less the later run's training: a process's own cost
     for rs in [*checks, read_runs(REFERENCE / "memory-talk-h200.jsonl")]:
         for before, r in zip(rs, rs[1:]):

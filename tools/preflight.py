@@ -52,7 +52,7 @@ def canonical(name):
 
 def needed(requirement):
     """A Requires-Dist line's package, or None where its markers leave it out here."""
-    name = re.match(r"[A-Za-z0-9._-]+", requirement)[0]
+    name = re.split(r"[^A-Za-z0-9._-]", requirement, maxsplit=1)[0]
     if ";" not in requirement:
         return name
     try:
