@@ -20,9 +20,9 @@ from watermark import watermark
 
 from local_utilities import build_vit
 from local_utilities import evaluate
-from local_utilities import fsdp_each_encoder_block  # [06] new: FSDP2, shard by shard
 from local_utilities import get_dataloaders
 from local_utilities import parse_args
+from parallelize import fsdp_each_encoder_block  # [06] new: FSDP2, shard by shard
 from run_keeping.keeper import RunKeeper
 
 

@@ -31,6 +31,8 @@ from run_keeping.config import MOST_WORKERS
 from run_keeping.config import Parser
 from run_keeping.config import check_path
 from run_keeping.config import fail
+from run_keeping.config import on_signals
+from run_keeping.config import stop_while_starting
 from run_keeping.config import whole_number
 from run_keeping.reading import load_model_file
 from run_keeping.reading import record_of
@@ -164,6 +166,7 @@ def answer(probs, classes, blank, noise):
 
 
 if __name__ == "__main__":
+    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
     args = parse_args()
     record = record_of(args.model, args.results)  # the run that saved the model, if recorded
     precision = args.precision or (record["precision"] if record else "32-true")

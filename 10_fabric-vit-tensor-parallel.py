@@ -22,7 +22,7 @@ from local_utilities import build_vit
 from local_utilities import evaluate
 from local_utilities import get_dataloaders
 from local_utilities import parse_args
-from local_utilities import tensor_parallel_mlps_then_fsdp  # [10] instead of fsdp_each_encoder_block: each MLP split across processes, then FSDP2
+from parallelize import tensor_parallel_mlps_then_fsdp  # [10] instead of fsdp_each_encoder_block: each MLP split across processes, then FSDP2
 from run_keeping.keeper import RunKeeper
 
 

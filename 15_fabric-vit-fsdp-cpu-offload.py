@@ -20,9 +20,9 @@ from watermark import watermark
 
 from local_utilities import build_vit
 from local_utilities import evaluate
-from local_utilities import fsdp_each_encoder_block_offloaded  # [15] instead of fsdp_each_encoder_block: its shards kept in CPU memory
 from local_utilities import get_dataloaders
 from local_utilities import parse_args
+from parallelize import fsdp_each_encoder_block_offloaded  # [15] instead of fsdp_each_encoder_block: its shards kept in CPU memory
 from run_keeping.keeper import RunKeeper
 
 

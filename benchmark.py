@@ -21,9 +21,9 @@ import time
 import torch
 
 from benchmarks import memory, peaks, throughput
-from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range
+from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range, processes_of
 from benchmarks.reports import chart_command, write_report
-from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, whole_number
+from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, on_signals, stop_while_starting, whole_number
 
 
 def parse_args(argv=None):
@@ -104,7 +104,13 @@ def settle(args, parser):
     if unknown:
         parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(peaks.UNIT)}")
     if args.accelerator == "auto":  # the scripts' auto refuses a CPU without --smoke: synthetic runs are short
-        args.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        args.accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"  # --smoke: as the scripts
+    gpus = torch.cuda.device_count() if args.accelerator == "cuda" else None
+    args.skipped = [f"{script} needs {needed} GPUs and this machine has {gpus}" for script, _ in args.runs
+                    if gpus is not None and (needed := processes_of(script, args.devices)) > gpus]
+    args.runs = [(s, b) for s, b in args.runs if gpus is None or processes_of(s, args.devices) <= gpus]
+    if not args.runs and not (args.memory or args.peaks or args.bare_loop or args.memory_run):
+        fail("nothing to measure: " + "; ".join(args.skipped), code=SOME_FAILED)
     for flag in ("results", "report"):
         if getattr(args, flag):
             check_path(f"--{flag}", getattr(args, flag))
@@ -121,6 +127,7 @@ def measure_throughput(args):
             throughput.measure_round(measured, args, scratch)
     rates = throughput.input_rates(args) if args.loader_images else None
     text = throughput.report(args, measured, peaks.flops_per_image(args.smoke), rates)
+    text += "".join(f"\n- Skipped: {why}." for why in args.skipped)
     text += f"\n- The whole measurement took {(time.time() - started) / 60:.1f} min."
     return text, sum(1 for runs in measured.values() if runs["failed"])
 
@@ -151,4 +158,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
     main()

@@ -1,6 +1,6 @@
 """What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the
-talk, and the offline --smoke and --synthetic stand-ins), the model, the parallelize functions
-and evaluation. The command line, records, checkpoints and --resume are in run_keeping/."""
+talk, and the offline --smoke and --synthetic stand-ins), the model and evaluation
+(06, 07, 10 and 15's parallelize functions are in parallelize.py). The command line, records, checkpoints and --resume are in run_keeping/."""
 
 import os
 import shutil
@@ -12,7 +12,7 @@ import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from run_keeping import config as command_line
-from run_keeping.config import fail, native_bf16
+from run_keeping.config import fail
 
 NUM_CLASSES = 10
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -197,51 +197,6 @@ def pretrained(vit, weights):
             f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)})."
             f" On a machine with internet, download {weights.url} and place it at {cache}."
         )
-
-
-def fsdp_each_encoder_block(model, device_mesh, offload=False):
-    """FSDP2 for Fabric's ModelParallelStrategy: each ViT EncoderBlock its own unit, sharded across
-    every process, then the root (embeddings, head). Parameters are gathered in bfloat16, as the
-    talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
-    reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
-    the float32 sums DDP (05) makes too. float32 throughout on a device without native bfloat16
-    (run_keeping/config.py says so). offload: see the next function."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    from torchvision.models.vision_transformer import EncoderBlock
-
-    cuda = device_mesh.device_type == "cuda"
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if native_bf16(device_mesh.device_type) else None, reduce_dtype=torch.float32
-    )
-    place = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()  # OffloadPolicy(): none
-    for module in [*(m for m in model.modules() if isinstance(m, EncoderBlock)), model]:
-        fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy, offload_policy=place)
-    return model
-
-
-def fsdp_each_encoder_block_offloaded(model, device_mesh):
-    """15's: 06's FSDP2 with CPUOffloadPolicy. Each process's shards of the parameters, gradients
-    and Adam's state stay in CPU memory; a unit's shards go to the GPU just to compute, and the
-    optimizer steps on the CPU. On a CPU run everything is there already: it saves nothing."""
-    return fsdp_each_encoder_block(model, device_mesh, offload=True)
-
-
-def tensor_parallel_mlps_then_fsdp(model, device_mesh):
-    """10's parallelize function, as the talk's figure splits a matrix multiplication: in each
-    EncoderBlock the MLP's first Linear split by columns and its second by rows across the
-    tensor-parallel processes (each computes its share of the hidden units; one all-reduce joins
-    the outputs), then FSDP2 across the data-parallel replicas as in 06. Attention stays whole:
-    torchvision's MultiheadAttention packs q, k and v into one in_proj_weight, which a column
-    split would cut across q, k and v instead of between heads."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-    from torchvision.models.vision_transformer import EncoderBlock
-
-    for block in model.modules():
-        if isinstance(block, EncoderBlock):  # block.mlp: Linear, GELU, Dropout, Linear, Dropout
-            parallelize_module(
-                block.mlp, device_mesh["tensor_parallel"], {"0": ColwiseParallel(), "3": RowwiseParallel()}
-            )
-    return fsdp_each_encoder_block(model, device_mesh)
 
 
 # -- Evaluation -----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 from benchmarks.reports import chart_command
-from run_keeping.config import Parser, check_path, fail, lessons
+from run_keeping.config import Parser, check_path, fail, lessons, on_signals, stop_while_starting
 from run_keeping.reading import precision_asked, read_runs, upgrade, whole
 
 ROOT = Path(__file__).resolve().parent
@@ -393,4 +393,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
     main()

@@ -45,6 +45,12 @@ def process_range(script):
     return row["devices"] > 1, row["min_devices"]
 
 
+def processes_of(script, devices):
+    """The processes benchmark.py runs a script in: --devices for a lesson of several, at least its least."""
+    takes, least = process_range(script)
+    return max(least, devices) if takes else 1
+
+
 def memory_env(cuda):
     return dict(os.environ, **({} if cuda else EXACT_MALLOC))
 
@@ -116,8 +122,8 @@ PARALLELIZE = {"fsdp2": "fsdp_each_encoder_block", "fsdp2+cpu-offload": "fsdp_ea
 def make_strategy(name, devices, tensor_parallel=1):
     """The strategy lessons.csv names, for `devices` processes."""
     import lightning as L
-    import local_utilities
+    import parallelize
     if name in ("single-device", "ddp"):
         return {"single-device": "auto", "ddp": "ddp"}[name]
-    return L.fabric.strategies.ModelParallelStrategy(getattr(local_utilities, PARALLELIZE[name]),
+    return L.fabric.strategies.ModelParallelStrategy(getattr(parallelize, PARALLELIZE[name]),
                                                      devices // tensor_parallel, tensor_parallel)

@@ -19,7 +19,8 @@ import torch.utils.data as torch_data
 
 from benchmarks.peaks import peak_tflops
 from benchmarks.memory import chain
-from benchmarks.runs import SCRIPTS, RunFailed, run_internal_mode, make_strategy, process_range, run_script, print_answer
+from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, process_range, processes_of, run_script,
+                            print_answer)
 from benchmarks.reports import fmt, markdown_table
 from run_keeping.config import WARMUP_STEPS, lessons
 from run_keeping.keeper import BUSY_WAIT
@@ -52,9 +53,8 @@ def run_configuration(script, batch, args, scratch, timeout=None):
     flags = ["--synthetic", "--max-steps", str(args.max_steps), "--batch-size", str(batch),
              "--save-model", str(models / f"{script[:-3]}.pt"),
              "--checkpoint-dir", str(Path(scratch) / "checkpoints" / script[:-3]), *common_flags(args)]
-    takes, least = process_range(script)
-    if takes:  # a lesson of several processes; 10's tensor parallelism needs its 2 (lessons.csv's min_devices)
-        flags += ["--devices", str(max(least, args.devices))]
+    if process_range(script)[0]:  # a lesson of several processes, at least its lessons.csv min_devices
+        flags += ["--devices", str(processes_of(script, args.devices))]
     return run_script(script, flags, args.results, timeout=timeout)
 
 
@@ -97,7 +97,7 @@ def bare_loop(args):
     spec, steps = json.loads(args.bare_loop), args.max_steps
     devices, micro = spec["processes"], spec["micro_batches"]
     strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"])
-    fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=devices,
+    fabric = L.Fabric(accelerator=args.accelerator, devices=devices,
                       precision=spec["precision"], strategy=strategy)
     fabric.launch()
     if devices > 1 and "OMP_NUM_THREADS" not in os.environ:  # as RunKeeper shares the cores

@@ -76,6 +76,13 @@ def resume_command(flags=None):
     return command
 
 
+def on_signals(handler):
+    """The one place a handler for Ctrl-C and SIGTERM is installed: parse_args installs the starting
+    one; RunKeeper its own while the run trains, and one that notes a signal while the run ends."""
+    for signum in EXIT_ON_SIGNAL:
+        signal.signal(signum, handler)
+
+
 def stop_while_starting(signum, frame=None):
     name = signal.Signals(signum).name
     print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
@@ -84,17 +91,10 @@ def stop_while_starting(signum, frame=None):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line (exit 2); a program of this project ends at once, in one
-    line, on Ctrl-C or SIGTERM from the parser's start on."""
+    """argparse whose errors are one line (exit 2)."""
 
     def error(self, message):
         fail(f"{message}; {invoked('--help')} lists the flags")
-
-    def parse_known_args(self, args=None, namespace=None):
-        if Path(sys.argv[0]).resolve().parent in (ROOT, ROOT / "tools"):
-            for signum in EXIT_ON_SIGNAL:
-                signal.signal(signum, stop_while_starting)
-        return super().parse_known_args(args, namespace)
 
 
 def whole_number(minimum, maximum=None):
@@ -142,7 +142,11 @@ TECHNIQUE_FLAGS = {
 def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
     """The shared flags; docs/flags-records-exit-codes.md says more of each."""
     add, number = parser.add_argument, dict(type=whole_number(1), metavar="N")
-    add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
+    add(
+        "--smoke",
+        action="store_true",
+        help="offline demo on the CPU (even beside a GPU, unless --accelerator cuda): a small ViT on 8x8 digits (docs/smoke.md)",
+    )
     add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
     add(
         "--max-steps",
@@ -159,7 +163,12 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
     add("--save-model", metavar="PATH", help="where the finetuned model goes (default models/<run>.pt)")
     add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's)")
     add("--seed", type=whole_number(0, 2**63 - 1), default=123, metavar="N", help="default 123, the talk's")
-    add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"], help="auto: the GPU, else the CPU")
+    add(
+        "--accelerator",
+        default="auto",
+        choices=["auto", "cuda", "cpu"],
+        help="auto: the GPU, else the CPU; --smoke: the CPU",
+    )
     if devices is not None:
         capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
         add("--devices", **number, help=f"processes (GPUs) per machine (default {devices}{capped})")
@@ -173,11 +182,9 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
 def parse_args(
     epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True, train_images=None, micro_batches=1
 ):
-    """The run's settings: the flags, and what they decide (kind, accelerator, devices, num_nodes, world_size,
-    tensor_parallel, data_parallel, epochs, batch_size, micro_batches, max_steps, whole, the paths, precision and
-    precision_asked, compile_mode, batch_note). `devices`: the Fabric scripts' --devices default; `flags`: the
-    script's own (flag, add_argument keywords); `train_images`: {kind: training images}; `micro_batches`: the
-    parts each batch comes in."""
+    """The run's settings: the flags, and what they decide (docs/run-keeping.md). `devices`: the Fabric scripts'
+    --devices default; `flags`: the script's own (flag, add_argument keywords); `train_images`: {kind: images}."""
+    on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
     script, smoke_epochs = Path(sys.argv[0]).name, smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
     row = lessons().get(script, {})
     brought = [(flag, TECHNIQUE_FLAGS[flag]) for flag in row.get("flags") or ()]
@@ -199,13 +206,10 @@ def parse_args(
     asked = row.get("precision") or "32-true"
     args = given  # the flags as given, and what they decide:
     vars(args).update(places, **sizes, script=script, kind=kind, vit=chosen["vit"], data_dir=given.data_dir or "data")
-    vars(args).update(
-        save_model=given.save_model or f"models/{name}.pt", checkpoint_dir_is_default=not given.checkpoint_dir
-    )
-    vars(args).update(checkpoint_dir=given.checkpoint_dir or f"checkpoints/{name}", compile_mode=row.get("compiles"))
-    vars(args).update(
-        precision_asked=asked, precision=precision_that_runs(asked, places["accelerator"], row.get("strategy") or "")
-    )
+    precision = precision_that_runs(asked, places["accelerator"], row.get("strategy") or "")
+    vars(args).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=row.get("compiles"))
+    vars(args).update(checkpoint_dir=given.checkpoint_dir or f"checkpoints/{name}", precision=precision)
+    vars(args).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)
     args.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
     check_path("--results", args.results)
     check_path("--save-model", args.save_model)
@@ -234,7 +238,8 @@ def place_processes(given, parser, devices, brought):
         fail(
             f"no CUDA GPU found. A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
         )
-    accelerator = ("cuda" if cuda_count else "cpu") if accelerator == "auto" else accelerator
+    if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
+        accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
     default_devices = 1 if devices is None else min(devices, 2) if given.smoke and accelerator == "cpu" else devices
     count = 1 if devices is None else given.devices or default_devices  # --smoke on a CPU: 2 processes show it
     num_nodes = 1 if devices is None else given.num_nodes

@@ -3,6 +3,7 @@ and --resume, Ctrl-C and SIGTERM, one line for a known error, the timing and the
 it has on a run is listed in docs/run-keeping.md."""
 
 import fcntl
+import io
 import json
 import os
 import re
@@ -15,13 +16,24 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
+from run_keeping.config import (
+    EXIT_ON_SIGNAL,
+    INTERACTIVE,
+    VITS,
+    WARMUP_STEPS,
+    device_name,
+    fail,
+    fallback_line,
+    on_signals,
+)
 from run_keeping.config import invoked, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable
-from run_keeping.record import write_atomically, write_whole
+from run_keeping.record import write_atomically
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
@@ -52,57 +64,61 @@ class RunKeeper:
         self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
         self.lock = self.last = self.scheduler = self.epoch_loss = self.epoch_timer = None
         self.finished, self.start_epoch, self.batch_in_epoch, self.train_loss = False, 0, 0, []
-        self.signum = signal.SIGINT
-        for signum in EXIT_ON_SIGNAL:
-            signal.signal(signum, self.on_signal)
+        self.signum, self.deferred = signal.SIGINT, None
+        on_signals(self.on_signal)  # Ctrl-C and SIGTERM: KeyboardInterrupt wherever the run is
+        # A collective: every process of the run takes part, and all stop where one cannot go on
         restart = self.agree(self.claim_folder)
         self.resuming = config.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", config.devices))
-        if processes_here > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes_here))
-        restarted = restart and f"{restart}: continuing the run in {self.folder}."
-        self.print(fallback_line(config), no_cuda_graphs_line(config), restarted)
+        restarted = f"{restart}: continuing the run in {self.folder}." if restart else None
+        self.say(fallback_line(config), no_cuda_graphs_line(config), restarted)
 
     def __enter__(self):
         return self
 
-    def on_signal(self, signum, frame):  # Ctrl-C, SIGTERM
+    def on_signal(self, signum, frame):  # Ctrl-C, SIGTERM, while the run trains
         self.signum = signum
         raise KeyboardInterrupt
 
+    def defer_signal(self, signum, frame):  # while the last files are written, and after
+        self.deferred = self.deferred or signum
+
     def __exit__(self, kind, error, traceback):
-        """One line and an exit code for an interruption or a known error; a traceback for others."""
+        """One line and an exit code for an interruption or a known error, then the process ends
+        here, in every lesson (os._exit); a traceback for an error nobody can act on otherwise."""
+        on_signals(self.defer_signal)  # a signal from here on changes nothing: noted, said below
         code, message = 0, None
         if kind and issubclass(kind, KeyboardInterrupt):
-            code, message = EXIT_ON_SIGNAL[self.signum], self.interrupted_line(self.signum) * (self.rank == 0)
+            code, message = EXIT_ON_SIGNAL[self.signum], self.interrupted_line(self.signum)
         elif kind and issubclass(kind, SystemExit):
-            code = error.code  # its line is said
+            code = error.code if isinstance(error.code, int) else 1  # its line is said
         elif kind:
             message, code = explain(error, self.config, self.rank, self.world_size, self.last) or (None, None)
-        if self.lock:  # let go of the folder, and remove it if nothing of the run is left in it
+        elif self.deferred:  # a signal while the finished run wrote its files, or since
+            code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
+        self.let_go()
+        if code is None:
+            return False  # an error nobody can act on but by reading its traceback
+        if message and self.rank == 0:
+            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # The process ends here, finished or not, whatever the lesson: no interpreter shutdown, in
+        # which a signal would kill it (Python drops its handlers there) and gloo may abort
+        # (pytorch/pytorch#190489). docs/run-keeping.md, "Exit".
+        os._exit(code)
+
+    def let_go(self):
+        """The folder let go of, and removed if nothing of the run is left in it."""
+        if self.lock:
             self.lock.release()
+            self.lock = None
             top = self.folder.parent if self.config.checkpoint_dir_is_default else self.folder
             for folder in (self.folder, top):
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
-        if code is None:
-            return False  # an error nobody can act on but by reading its traceback
-        if message:
-            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
-        if self.world_size > 1:
-            sys.stdout.flush()
-            os._exit(code)  # gloo may abort at shutdown (pytorch/pytorch#190489): docs/run-keeping.md
-        if code:
-            raise SystemExit(code) from None
-        for signum in EXIT_ON_SIGNAL:  # the run is over: a signal until the process ends is one line
-            signal.signal(signum, self.say_interrupted_and_exit)
 
-    def say_interrupted_and_exit(self, signum, frame=None):
-        print(f"\n{self.config.script}: {self.interrupted_line(signum)}", file=sys.stderr, flush=True)
-        os._exit(EXIT_ON_SIGNAL[signum])
-
-    def print(self, *lines):  # on global rank 0 only (fabric.print prints once per machine)
+    def say(self, *lines):  # on global rank 0 only (fabric.print prints once per machine)
         for line in lines:
             if line and self.rank == 0:
                 print(line, flush=True)
@@ -115,8 +131,8 @@ class RunKeeper:
             result = action()
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
-        if self.world_size > 1:
-            failed = int(self.fabric.all_reduce(torch.tensor(code, device=self.fabric.device), reduce_op="max"))
+        if self.fabric and self.world_size > 1:
+            failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
                 rank, world = self.rank, self.world_size
                 print(
@@ -165,25 +181,25 @@ class RunKeeper:
         optimizer, scheduler, random state and figures, and the loader's order of the next epoch."""
         self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.print(self.config.kind and kind_line(self.config, self.init))
+        self.say(kind_line(self.config, self.init) if self.config.kind else None)
         self.val_acc, self.lr, self.checkpoint_s, self.peak_gb = [], [], [], 0.0
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
         self.cpu_at_start = cpu_times()
-        if self.world_size > 1:  # what each process holds: FSDP2's and tensor parallelism's shards made visible
-            held = torch.zeros(self.world_size, dtype=torch.float64, device=self.fabric.device)
+        if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
+            held = torch.zeros(self.world_size, dtype=torch.float64)
             held[self.rank] = sum(
-                p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in model.parameters()
+                p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
             )
-            held = ", ".join(f"{int(n):,}" for n in self.fabric.all_reduce(held, reduce_op="sum"))
-            self.print(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
+            held = ", ".join(f"{int(n):,}" for n in reduced(self.fabric, held, "sum"))
+            self.say(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
         if self.resuming:
             rng = self.agree(self.load_checkpoint)
             if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch from the
                 for _ in range(self.start_epoch):  # times it was iterated
                     next(iter(train_loader), None)
             torch.set_rng_state(rng)  # after those: each iteration draws a seed from it
-            self.print(f"Resuming from {self.last}: {self.start_epoch} of {self.config.epochs} epochs done.")
+            self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.config.epochs} epochs done.")
         self.started = time.perf_counter()  # the loop starts now
 
     def batch_done(self, loss, batch_size):
@@ -201,7 +217,8 @@ class RunKeeper:
         if self.batch_in_epoch % PRINT_EVERY == 1:
             self.check_loss()
         optimizer_step = self.batch_in_epoch % self.config.micro_batches == 0
-        self.steps_this_session += optimizer_step
+        if optimizer_step:
+            self.steps_this_session += 1
         if self.epoch_timer is not None:
             self.epoch_images += batch_size
             if self.batch_in_epoch == self.batches_per_epoch:
@@ -213,16 +230,17 @@ class RunKeeper:
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
 
     def check_loss(self):
-        if self.first_bad >= 0:
+        if self.epoch_loss is not None and self.first_bad >= 0:
             where = f"at epoch {len(self.train_loss) + 1}, batch {int(self.first_bad)}"
             fail(f"the loss is {float(self.epoch_loss)} {where}: stopping; no checkpoint or record written for it.", 1)
 
     def checkpoint(self, epoch, model, optimizer, val_acc):
         """After an epoch's validation: its figures, and the checkpoint to continue from."""
         self.check_loss()
+        assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
         mean_loss = self.epoch_loss / self.batch_in_epoch
         if self.fabric:
-            mean_loss = self.fabric.all_reduce(mean_loss, reduce_op="mean")
+            mean_loss = reduced(self.fabric, mean_loss, "mean")
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
@@ -240,12 +258,11 @@ class RunKeeper:
     def timed_totals(self):
         """Timed images of all processes (a tensor-parallel group's once) and the slowest process's
         seconds, with those before a --resume."""
-        images, seconds = torch.tensor(float(self.timed_images)), torch.tensor(self.timed_seconds)
-        if self.world_size > 1:
-            images = self.fabric.all_reduce(images, reduce_op="sum") / self.config.tensor_parallel
-            seconds = self.fabric.all_reduce(seconds, reduce_op="max")
-        earlier = self.earlier
-        return float(images) + earlier["timed_images"], float(seconds) + earlier["timed_seconds"]
+        images, seconds = float(self.timed_images), self.timed_seconds
+        if self.fabric and self.world_size > 1:
+            images = float(reduced(self.fabric, images, "sum")) * self.config.data_parallel / self.world_size
+            seconds = float(reduced(self.fabric, seconds, "max"))
+        return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def save_checkpoint(self):
         name = f"epoch-{len(self.train_loss):04d}.ckpt"
@@ -263,11 +280,10 @@ class RunKeeper:
         try:
             if self.fabric:
                 self.fabric.save(partial, state)
-            else:
-                write_whole(
-                    partial,
-                    torch_bytes({k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in state.items()}),
-                )
+            else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
+                plain = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+                plain |= {"scheduler": self.scheduler.state_dict()} if self.scheduler else {}
+                torch.save(plain | {"progress": progress, "rng": state["rng"]}, partial)
             if self.rank == 0:
                 os.replace(partial, final)
                 settings = {key: getattr(self.config, key) for key in SETTINGS}
@@ -307,19 +323,21 @@ class RunKeeper:
         if differences:
             as_started = f"continue it as started: {resume_command(latest.get('flags'))}; or {start_over}"
             fail(f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}")
-        state = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
+        state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
         try:
             if self.fabric:
-                self.fabric.load(path, state)
+                self.fabric.load(path, state)  # restores the model, optimizer and scheduler in place
             else:
-                saved_state = torch.load(path, map_location="cpu", weights_only=True)
-                for key in {"model", "optimizer", "scheduler"} & state.keys():
-                    state[key].load_state_dict(saved_state[key])
-                state.update(progress=saved_state["progress"], rng=saved_state["rng"])
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                if self.scheduler:
+                    self.scheduler.load_state_dict(state["scheduler"])
         except Exception as err:  # a truncated or foreign file fails in many ways
             fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")
-        progress, self.last = state["progress"], path
+        progress = state["progress"]
+        self.last = path
         self.start_epoch, self.train_loss, self.val_acc, self.lr = (
             progress[k] for k in ("epochs_done", "train_loss", "val_acc", "lr")
         )
@@ -327,29 +345,33 @@ class RunKeeper:
         return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
-        """The talk's closing lines, the model file, the run record; then the checkpoints go."""
+        """The talk's closing lines, the model file, the run record; then the checkpoints go. From here
+        a signal is noted, not raised: the run ends finished, and __exit__ says so and exits 130 or 143."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        on_signals(self.defer_signal)  # all or nothing: a signal waits until the files are written
         c, test_acc = self.config, None if self.config.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
         peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
-        if self.world_size > 1:
-            both = self.fabric.all_reduce(torch.tensor([peak, waited], dtype=torch.float64), reduce_op="max")
+        if self.fabric and self.world_size > 1:
+            both = reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max")
             peak, waited = float(both[0]), float(both[1])
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        images_per_s = images / seconds if seconds else None
-        self.print(closing_lines(train_time_s, peak, images_per_s, test_acc, waited, self.checkpoint_s))
-        measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s and round(images_per_s, 2))
-        measured.update(
-            peak_memory_gb=round(peak, 4),
-            train_loss=self.train_loss,
-            lr=self.lr,
-            val_acc=self.val_acc * (not c.synthetic) or None,
-        )
-        cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)
-        measured.update(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
+        images_per_s = round(images / seconds, 2) if seconds else None
+        self.say(closing_lines(train_time_s, peak, images_per_s, test_acc, waited, self.checkpoint_s))
+        measured = {
+            "train_time_s": round(train_time_s, 3),
+            "images_per_s": images_per_s,
+            "peak_memory_gb": round(peak, 4),
+            "train_loss": self.train_loss,
+            "lr": self.lr,
+            "val_acc": None if c.synthetic else self.val_acc,
+            "test_acc": test_acc,
+            "busy": waited > BUSY_WAIT,
+            "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
+        }
 
         def keep():
             if self.rank == 0:
@@ -363,23 +385,19 @@ class RunKeeper:
                 append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
                 for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
                     remove(checkpoint)
-                cut_short = (
-                    f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it out"
+                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it"
+                self.say(
+                    kind_line(c, self.init) if c.kind else None, None if c.whole else cut_short + " out unless asked."
                 )
-                written = f"Run record appended to {c.results}; finetuned model saved to {c.save_model}"
-                self.print(c.kind and kind_line(c, self.init), (not c.whole) and cut_short + " unless asked.", written)
+                self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
 
-        signal.pthread_sigmask(signal.SIG_BLOCK, EXIT_ON_SIGNAL)  # a signal waits until they are written
-        try:
-            self.agree(keep)
-            self.finished = True
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, EXIT_ON_SIGNAL)
+        self.agree(keep)
+        self.finished = True
 
     def interrupted_line(self, signum):
         name, c = signal.Signals(signum).name, self.config
         if self.finished:
-            return f"interrupted ({name}) after the run finished: its record is in {c.results} and its model in {c.save_model}."
+            return f"interrupted ({name}) as the run finished: its record is in {c.results} and its model in {c.save_model}."
         done, lost = len(self.train_loss), self.batch_in_epoch
         losing = f"; the {lost} batches of epoch {done + 1} trained since are not kept" if lost else ""
         if self.last:
@@ -439,11 +457,19 @@ class FolderLock:
                 break  # not a .lock that the run before removed as this one opened it
             os.close(self.fd)
         since = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
-        os.write(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode())
+        os.ftruncate(self.fd, 0)  # exactly this holder's line, however long the last one's was
+        os.pwrite(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
 
     def release(self):
         remove(self.path)
         os.close(self.fd)
+
+
+def reduced(fabric, value, op):
+    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given)."""
+    result = fabric.all_reduce(torch.as_tensor(value), reduce_op=op)
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 def read_json(path):
@@ -461,8 +487,6 @@ def remove(path):
 
 
 def torch_bytes(state):
-    import io
-
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()

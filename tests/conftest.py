@@ -68,7 +68,7 @@ def script_env(tmp, **extra):
     each other, as torchrun's OMP_NUM_THREADS=1 avoids), on the environment pytest started with."""
     env = dict(ENVIRON, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"),
                OMP_NUM_THREADS="1", **OFFLINE)
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU's paths, on a GPU machine too (the GPU's: test_gpu_rehearsal.py)
     env.update(extra)
     return env
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import local_utilities as lu
+from run_keeping.config import lessons
 from run_keeping.keeper import RunKeeper
 
 
@@ -30,14 +31,51 @@ def parse(monkeypatch):
     return parse_args
 
 
-def test_a_machine_with_gpus_runs_on_them(gpus, parse, capsys):
-    gpus(4)
-    args = parse()
-    assert (args.accelerator, args.devices, args.batch_size) == ("cuda", 4, 16)
-    # --smoke takes the GPUs too, all of them (the CPU's cap of 2 processes is the CPU's), and
-    # splits the talk's batch of 16 among them
-    args = parse("--smoke")
-    assert (args.accelerator, args.devices, args.batch_size) == ("cuda", 4, 4)
+TRAINING = {script: row for script, row in lessons().items() if row["epochs"]}  # lessons.csv: all but 08
+
+
+@pytest.mark.parametrize("count", [1, 4])
+@pytest.mark.parametrize("script", TRAINING)
+def test_on_a_gpu_machine_each_lesson_runs_where_it_says(gpus, parse, capsys, restore_signals, script, count):
+    """With 1 GPU and with 4 (torch.cuda's answers stood in for): --smoke runs on the CPU, as its
+    help says, in its CPU processes; a full run takes its processes on the GPUs where there are
+    enough, or says in one line that there are not (exit 2); --smoke --accelerator cuda likewise."""
+    gpus(count)
+    row = TRAINING[script]
+    devices = row["devices"] if row["devices"] > 1 else None  # as the script passes it to parse_args
+    smoke = parse("--smoke", script=script, devices=devices)
+    assert (smoke.accelerator, smoke.devices) == ("cpu", min(row["devices"], 2))
+    for flags in ([], ["--smoke", "--accelerator", "cuda"]):
+        if row["devices"] <= count:
+            args = parse(*flags, script=script, devices=devices)
+            assert (args.accelerator, args.devices) == ("cuda", row["devices"])
+        else:
+            with pytest.raises(SystemExit) as exit_info:
+                parse(*flags, script=script, devices=devices)
+            err = capsys.readouterr().err.strip()
+            assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+            assert f"asked for {row['devices']} GPU(s) per machine (--devices {row['devices']}) but this machine has {count}" in err
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_the_default_benchmark_runs_what_the_gpus_can_and_names_the_rest(gpus, restore_signals, count):
+    """benchmark.py with its default lessons: each it keeps fits the GPUs, each it drops is named
+    with the GPUs it needs; --smoke runs the scripts, and so their bare loops, on the CPU."""
+    import benchmark
+    from benchmarks.runs import processes_of
+    gpus(count)
+    args = benchmark.parse_args([])
+    assert args.accelerator == "cuda" and args.runs
+    assert all(processes_of(script, args.devices) <= count for script, _ in args.runs)
+    kept = {script for script, _ in args.runs}
+    dropped = [s for s in TRAINING if s[:2] != "00" and s not in kept]
+    assert [line.split(" needs ")[0] for line in args.skipped] == dropped
+    assert all(f"needs {processes_of(s, 1)} GPUs and this machine has {count}" in line
+               for s, line in zip(dropped, args.skipped))
+    assert benchmark.parse_args(["--smoke"]).accelerator == "cpu"
+
+
+def test_the_gpus_too_few_for_a_lesson_are_one_line(gpus, parse, capsys):
     gpus(2)
     with pytest.raises(SystemExit) as exit_info:
         parse()
@@ -97,7 +135,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 2 and cuda.count("reset_peak_memory_stats") == 1
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
-    keeper.__exit__(None, None, None)  # as leaving the `with` block does
+    keeper.let_go()  # as leaving the `with` block does, but for ending the process
 
     args.resume = True
     keeper, model, optimizer = keeper_and_model()
@@ -106,7 +144,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     assert cuda.count("synchronize") == 4 and cuda.count("reset_peak_memory_stats") == 2
     keeper.checkpoint(1, model, optimizer, val_acc=0.6)
     keeper.finish(1.0, 0.9, model)
-    keeper.__exit__(None, None, None)
+    keeper.let_go()
     record = json.loads((tmp_path / args.results).read_text().splitlines()[-1])
     assert (record["peak_memory_gb"], record["device_name"], record["accelerator"]) == \
         (3.04, "NVIDIA H200", "cuda")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import local_utilities as lu
+import parallelize
 from run_keeping.config import fallback_line, precision_that_runs
 from conftest import native_bf16, ROOT, free_port, read_records
 
@@ -76,7 +77,7 @@ def one_process_group():
 def test_fsdp2_makes_every_encoder_block_a_unit_and_gathers_bf16(one_process_group):
     from torch.distributed.fsdp import FSDPModule
     from torchvision.models.vision_transformer import EncoderBlock
-    model = lu.fsdp_each_encoder_block(smoke_model(), one_process_group)
+    model = parallelize.fsdp_each_encoder_block(smoke_model(), one_process_group)
     blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
     assert len(blocks) == 3 and all(isinstance(b, FSDPModule) for b in blocks)
     assert isinstance(model, FSDPModule)
@@ -109,7 +110,7 @@ def test_fsdp2_on_a_gpu_gathers_bf16_only_where_the_gpu_has_it(one_process_group
     the FSDP2 policy then gathers float32 parameters; on an Ampere or later GPU, bfloat16."""
     from torchvision.models.vision_transformer import EncoderBlock
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: has_bf16)
-    model = lu.fsdp_each_encoder_block(smoke_model(), GpuMesh(one_process_group))
+    model = parallelize.fsdp_each_encoder_block(smoke_model(), GpuMesh(one_process_group))
     seen = []
     for block in (m for m in model.modules() if isinstance(m, EncoderBlock)):
         block.mlp.register_forward_hook(lambda m, i, o: seen.append(m[0].weight.dtype))
@@ -123,13 +124,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torchvision.models.vision_transformer import EncoderBlock
 sys.path.insert(0, sys.argv[1])
 import local_utilities as lu
+import parallelize
 rank = int(sys.argv[2])
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[3], rank=rank, world_size=2)
 mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
 torch.manual_seed(0)
 from torchvision.models.vision_transformer import VisionTransformer
 model = VisionTransformer(image_size=32, patch_size=16, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256)
-model = lu.fsdp_each_encoder_block(model, mesh)
+model = parallelize.fsdp_each_encoder_block(model, mesh)
 seen = []
 for m in model.modules():
     if isinstance(m, EncoderBlock):
@@ -183,7 +185,7 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, strategy, expected):
                            "bf16-mixed")
     if expected == "32-true":  # on a CPU, Lightning makes 16-mixed bf16-mixed itself: 32-true shows LT_PRECISION read
         monkeypatch.setenv("LT_PRECISION", expected)
-        made = L.fabric.strategies.ModelParallelStrategy(lu.fsdp_each_encoder_block, 1, 1)
+        made = L.fabric.strategies.ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1)
         fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=made)
         assert fabric.strategy.precision.precision == expected
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)

@@ -183,7 +183,7 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
         with CountReads():
             fast["train"](2, model, optimizer, scheduler, train, val, fabric, keeper)
     finally:
-        keeper.__exit__(None, None, None)
+        keeper.let_go()
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert len(train) == 30  # 60 steps

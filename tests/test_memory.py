@@ -193,35 +193,13 @@ def test_15s_parallelize_offloads_every_unit_and_06s_none():
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
     import local_utilities as lu
+    import parallelize
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
-        for parallelize, offloaded in ((lu.fsdp_each_encoder_block_offloaded, 4), (lu.fsdp_each_encoder_block, 0)):
-            units = [m for m in parallelize(lu.smoke_vit(), mesh).modules() if isinstance(m, FSDPModule)]
+        for apply, offloaded in ((parallelize.fsdp_each_encoder_block_offloaded, 4), (parallelize.fsdp_each_encoder_block, 0)):
+            units = [m for m in apply(lu.smoke_vit(), mesh).modules() if isinstance(m, FSDPModule)]
             policies = [m._get_fsdp_state()._fsdp_param_group.offload_policy for m in units]
             assert (len(units), sum(isinstance(p, CPUOffloadPolicy) for p in policies)) == (4, offloaded)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("processes, shared", [(4, True), (1, False)])
-def test_the_processes_of_a_machine_share_its_cores(monkeypatch, tmp_path, processes, shared):
-    """Each of a machine's processes gets its share of the cores (15's on GPUs step Adam on the CPU;
-    on CPUs, processes that each take every core wait on each other); one process keeps torch's."""
-    import argparse
-
-    import torch
-    from run_keeping.keeper import RunKeeper
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    before = torch.get_num_threads()
-    torch.set_num_threads(3)  # not what sharing 2 or 4 cores among 4 processes gives: a run that shares them shows
-    settings = argparse.Namespace(checkpoint_dir=str(tmp_path / "ck"), resume=False, devices=processes,
-                                  checkpoint_dir_is_default=False, precision="32-true", precision_asked="32-true",
-                                  compile_mode=None, accelerator="cuda")
-    try:
-        RunKeeper(settings).__exit__(None, None, None)
-        threads = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
-    assert threads == (max(1, (os.cpu_count() or 1) // processes) if shared else 3)

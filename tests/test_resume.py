@@ -1,10 +1,12 @@
 """Never lose a run: kill and resume, Ctrl-C, the NaN guard, unloadable checkpoints."""
+import io
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,9 +352,21 @@ def model_and_optimizer(args):
     return model, torch.optim.Adam(model.parameters(), lr=5e-5)
 
 
+def resume_in_process(args, model, optimizer, train_loader):
+    """A keeper made and resumed in this process, as a script's `with` block does but for leaving
+    it (which ends a script's process); its folder let go of however it stops."""
+    keeper = None
+    try:
+        keeper = RunKeeper(args)
+        keeper.resume(model, optimizer, train_loader=train_loader)
+    finally:
+        if keeper:
+            keeper.let_go()
+
+
 def ended(keeper):
     """What leaving the `with` block does for a RunKeeper that ran to its end: it lets go of its folder."""
-    keeper.__exit__(None, None, None)
+    keeper.let_go()
 
 
 def keeper_after_steps(args, losses, model=None, optimizer=None):
@@ -453,8 +467,7 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     args = parse("--resume", "--checkpoint-dir", ck, *flags)
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        with RunKeeper(args) as keeper:
-            keeper.resume(model, optimizer, train_loader=[None])
+        resume_in_process(args, model, optimizer, train_loader=[None])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and difference in err, err
@@ -476,8 +489,7 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     args = parse("--resume", "--checkpoint-dir", ck)
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        with RunKeeper(args) as keeper:
-            keeper.resume(model, optimizer, train_loader=[])
+        resume_in_process(args, model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
@@ -493,15 +505,13 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     args = parse("--resume", "--checkpoint-dir", str(ck))
     model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        with RunKeeper(args) as keeper:
-            keeper.resume(model, optimizer, train_loader=[])
+        resume_in_process(args, model, optimizer, train_loader=[])
     assert exit_info.value.code == 2
     assert "cannot load" in capsys.readouterr().err
     assert checkpoint.read_bytes() == corrupt
     (ck / LATEST).write_text("{not json")
     with pytest.raises(SystemExit):
-        with RunKeeper(args) as keeper:
-            keeper.resume(model, optimizer, train_loader=[])
+        resume_in_process(args, model, optimizer, train_loader=[])
     assert "corrupt" in capsys.readouterr().err
 
 
@@ -517,8 +527,7 @@ def test_a_damaged_checkpoint_names_the_start_over_that_leaves_no_empty_folder(p
     checkpoint.write_bytes(checkpoint.read_bytes()[:1000])
     args = parse("--max-steps", "2", "--resume")
     with pytest.raises(SystemExit) as exit_info:
-        with RunKeeper(args) as keeper:
-            keeper.resume(*model_and_optimizer(args), train_loader=[])
+        resume_in_process(args, *model_and_optimizer(args), train_loader=[])
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1
     command = err.split("; start over with: ")[1]
@@ -635,16 +644,18 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     args = parse("--checkpoint-dir", "ck")
     keeper, model, optimizer = keeper_after_steps(args, [1.0])
     keeper.checkpoint(0, model, optimizer, val_acc=0.5)
-    real = os.write
+    real = torch.save
 
-    def killed_halfway(fd, data):
-        real(fd, bytes(data)[:len(data) // 2])
+    def killed_halfway(state, path):
+        buffer = io.BytesIO()
+        real(state, buffer)
+        Path(path).write_bytes(buffer.getvalue()[:len(buffer.getvalue()) // 2])
         raise KeyboardInterrupt  # not an error the writer handles: as if the process died
-    monkeypatch.setattr(os, "write", killed_halfway)
+    monkeypatch.setattr(torch, "save", killed_halfway)
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
     with pytest.raises(KeyboardInterrupt):
         keeper.checkpoint(1, model, optimizer, val_acc=0.6)
-    monkeypatch.setattr(os, "write", real)
+    monkeypatch.setattr(torch, "save", real)
     ended(keeper)
     assert json.loads((keeper.folder / LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
     assert not (keeper.folder / "epoch-0002.ckpt").exists() and (keeper.folder / "epoch-0002.ckpt.tmp").exists()

@@ -1,0 +1,78 @@
+"""The end of a run is all or nothing, at torch's default thread count, as users run it: a signal
+while the finished run writes its model and record is noted and said after them; the process is
+never killed by the signal itself. And the folder lock holds exactly its holder's line."""
+import json
+import signal
+import sys
+
+import pytest
+
+from conftest import ROOT, run_script, script_env
+
+# Sends the signal at one moment of the run's last writes, as a terminal's Ctrl-C does (to the
+# process group, so every process of the run gets it), and gives the handler time to run there.
+# Each process writes how many threads torch computes with (the run's default here).
+SIGNAL_AT = """
+import os, signal, sys, time
+_moment, _sent = os.environ["HOOK_MOMENT"], []
+def _at(event, args):
+    hit = {"model": event == "open" and str(args[0]).endswith(".pt.tmp"),
+           "record": event == "open" and str(args[0]).endswith("runs.jsonl"),
+           "checkpoint-removed": event == "os.remove" and str(args[0]).endswith(".ckpt")}[_moment]
+    if hit and not _sent:
+        _sent.append(True)
+        import torch
+        open(f"threads-{os.getpid()}", "w").write(str(torch.get_num_threads()))
+        os.killpg(os.getpgid(0), signal.SIGINT)
+        time.sleep(0.3)  # the signal arrives here, in whichever thread the kernel picks
+sys.addaudithook(_at)
+"""
+
+# 04, one process; 05, two (Lightning's launcher gives each its share of the cores)
+MOMENTS = [("04_fabric-vit-mixed-precision.py", m) for m in ("model", "record", "checkpoint-removed")]
+MOMENTS += [("05_fabric-vit-mixed-ddp.py", m) for m in ("model", "checkpoint-removed")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, moment", MOMENTS)
+def test_a_signal_in_the_last_writes_at_default_threads_ends_the_run_finished(tmp_path, script, moment):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGNAL_AT)
+    env = script_env(tmp_path, PYTHONPATH=str(site), HOOK_MOMENT=moment)
+    env.pop("OMP_NUM_THREADS")  # torch's default, as a user's run has it
+    proc = run_script(script, "--smoke", "--epochs", "1", "--max-steps", "4", cwd=tmp_path, env=env, fresh=True)
+    out = proc.stdout + proc.stderr
+    threads = [int(p.read_text()) for p in tmp_path.glob("threads-*")]
+    assert threads, out[-2000:]  # the moment came
+    if "05" not in script:
+        assert threads == [torch_default_threads()], threads
+    assert proc.returncode == 130 and "Traceback" not in out, (proc.returncode, out[-3000:])
+    records = [json.loads(line) for line in (tmp_path / "results" / "runs.jsonl").read_text().splitlines()]
+    assert len(records) == 1 and (tmp_path / records[0]["model_file"]).is_file()
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"{script}: interrupted (SIGINT) as the run finished: its record is in results/runs.jsonl and "
+                    f"its model in {records[0]['model_file']}."), out[-2000:]
+    assert sum("interrupted" in line for line in out.splitlines()) == 1, out[-2000:]
+    assert not (tmp_path / "checkpoints").exists()  # the finished run's checkpoint went with it
+
+
+def torch_default_threads():
+    import subprocess
+    code = "import torch; print(torch.get_num_threads())"
+    env = script_env(ROOT)
+    env.pop("OMP_NUM_THREADS")
+    return int(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120).stdout)
+
+
+def test_the_lock_holds_exactly_its_holders_line(tmp_path):
+    """A killed run's longer line is not left at the end of the next holder's."""
+    from run_keeping.keeper import FolderLock
+    (tmp_path / ".lock").write_text("process 1234567 on a-much-longer-hostname-of-a-killed-run, since 2026-01-01 00:00 UTC")
+    lock = FolderLock(tmp_path)
+    try:
+        line = (tmp_path / ".lock").read_text()
+        assert line.startswith("process ") and line.count("since") == 1 and line.endswith(" UTC"), line
+    finally:
+        lock.release()
