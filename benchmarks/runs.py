@@ -121,9 +121,8 @@ PARALLELIZE = {"fsdp2": "fsdp_each_encoder_block", "fsdp2+cpu-offload": "fsdp_ea
 
 def make_strategy(name, devices, tensor_parallel=1):
     """The strategy lessons.csv names, for `devices` processes."""
-    import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
     import parallelize
     if name in ("single-device", "ddp"):
         return {"single-device": "auto", "ddp": "ddp"}[name]
-    return L.fabric.strategies.ModelParallelStrategy(getattr(parallelize, PARALLELIZE[name]),
-                                                     devices // tensor_parallel, tensor_parallel)
+    return ModelParallelStrategy(getattr(parallelize, PARALLELIZE[name]), devices // tensor_parallel, tensor_parallel)

@@ -176,6 +176,7 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, strategy, expected):
     import argparse
 
     import lightning as L
+    from lightning.fabric.strategies import ModelParallelStrategy
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
     assert precision_that_runs("bf16-mixed", "cuda", strategy) == expected
@@ -185,7 +186,7 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, strategy, expected):
                            "bf16-mixed")
     if expected == "32-true":  # on a CPU, Lightning makes 16-mixed bf16-mixed itself: 32-true shows LT_PRECISION read
         monkeypatch.setenv("LT_PRECISION", expected)
-        made = L.fabric.strategies.ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1)
+        made = ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1)
         fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=made)
         assert fabric.strategy.precision.precision == expected
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)

@@ -174,3 +174,27 @@ def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys)
             line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("BARE "))
             answer = json.loads(line[5:])
             assert answer["images_per_s"] > 0 and answer["compile_mode"] == spec["compile_mode"], spec
+
+
+COMPILED = {script: row["compiles"] for script, row in lessons().items() if row["compiles"]}  # lessons.csv
+
+
+@pytest.mark.parametrize("script", COMPILED)
+def test_a_bare_loop_compiles_in_its_lessons_mode(script, monkeypatch, capsys):
+    """A compiled lesson's record (its compile_mode is lessons.csv's `compiles`, as the record
+    builds it): its bare loop calls torch.compile in that mode, 16's "reduce-overhead" (CUDA
+    graphs on a GPU) included. torch.compile is watched, not run: what it is asked is the test."""
+    import argparse
+    asked = []
+
+    def watched(model, **options):
+        asked.append(options.get("mode"))
+        return model
+    monkeypatch.setattr(torch, "compile", watched)
+    row = lessons()[script]
+    record = {"script": script, "precision": "32-true", "world_size": 1, "tensor_parallel_size": 1, "batch_size": 4,
+              "micro_batches": 1, "compile_mode": row["compiles"]}
+    spec = throughput.bare_spec(record)
+    throughput.bare_loop(argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu"))
+    assert asked == [COMPILED[script]], asked
+    capsys.readouterr()
