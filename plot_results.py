@@ -18,7 +18,8 @@ import textwrap
 from pathlib import Path
 
 from benchmarks.reports import chart_command
-from run_keeping.config import Parser, check_path, fail, lessons, on_signals, stop_while_starting
+from run_keeping.config import Parser, check_path, dest, fail, flag_keywords, on_signals, own_flags, stop_while_starting
+from run_keeping.reading import lessons
 from run_keeping.reading import precision_asked, read_runs, upgrade, whole
 
 ROOT = Path(__file__).resolve().parent
@@ -100,8 +101,9 @@ SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
 
 def configuration(record):
     """What a ratio may be formed across: runs of the same kind, per-process batch, model and
-    processes."""
-    return (record["kind"], record["batch_size"], record["model"], record["world_size"])
+    processes; and what keeps runs apart: the lesson's own settings (its flags in lessons.csv)."""
+    own = tuple(sorted((record.get("settings") or {}).items()))
+    return (record["kind"], record["batch_size"], record["model"], record["world_size"], own)
 
 
 def select(records, kind, everything=False):
@@ -127,8 +129,8 @@ def select(records, kind, everything=False):
 
 
 def order(item):
-    (script, (kind, batch, model, processes)), _ = item
-    return script, batch or 0, str(model), processes or 0
+    (script, (kind, batch, model, processes, own)), _ = item
+    return script, batch or 0, str(model), processes or 0, own
 
 
 def summarise(runs):
@@ -164,7 +166,7 @@ SPEEDUP = ("speedup: training images/s over 01's of the same kind, batch, model 
 def speedup(record, baseline):
     """Throughput over the baseline's (training time where either lacks one); None without a baseline
     of the same configuration."""
-    if not record or not baseline or configuration(record) != configuration(baseline):
+    if not record or not baseline or configuration(record)[:4] != configuration(baseline)[:4]:
         return None
     if record["images_per_s"] and baseline["images_per_s"]:
         return record["images_per_s"] / baseline["images_per_s"]
@@ -174,7 +176,7 @@ def speedup(record, baseline):
 
 
 def baseline_of(key, latest):
-    return latest.get((BASELINE, key[1]))
+    return latest.get((BASELINE, (*key[1][:4], ())))  # 01's run of the configuration: 01 has no settings of its own
 
 
 def differences(record, reference):
@@ -189,6 +191,10 @@ def differences(record, reference):
         found.append(f"{record['world_size']} process{'es' if record['world_size'] > 1 else ''}")
     if record["model"] not in (None, "vit_b_16", "smoke ViT"):
         found.append(record["model"])
+    for flag, declaration in own_flags(lessons().get(record["script"], {})):  # the lesson's own flags
+        value = (record.get("settings") or {}).get(dest(flag))
+        if value is not None and value != flag_keywords(declaration)["default"]:
+            found.append(f"{flag} {value}")
     if record["busy"]:
         found.append("BUSY: shared CPU")
     return found

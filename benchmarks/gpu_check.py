@@ -27,7 +27,7 @@ STAGES = [
      {"batch": 128, "rounds": 1}),
     ("input", "input", "The talk's input pipeline: its PIL loader at 4, 8 and 16 workers",
      {"workers": [4, 8, 16], "images": {"smoke": 400, "full": 4000}}),
-    ("sequel", "memory", "The memory sequel's chain: {lessons} on ViT-L/16 against its published GB", {"vit": "ViT-L/16"}),
+    ("sequel", "memory", "The memory sequel's chain: {lessons} on ViT-L/16, each beside the sequel's published GB where it has one", {"vit": "ViT-L/16"}),
 ]
 # Seconds a run is planned at before any run of its kind has run in this check: a process's
 # imports, set-up, steps and checkpoint (a compile adds its own), on a 2-core CPU at smoke size
@@ -113,7 +113,7 @@ class Check:
 
 def compiles(script, size):
     """Whether a run of `script` compiles at this size (09 compiles on a CPU only when asked)."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     return bool(lessons()[script]["compiles"]) and (size == "full" or not script.startswith("09"))
 
 
@@ -129,7 +129,7 @@ def gpu_line():
 
 
 def stage_scripts(name):
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     return [script for script, row in lessons().items() if row["gpu_check"] == name]
 
 

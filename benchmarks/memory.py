@@ -16,7 +16,8 @@ import torch
 from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, memory_env, process_range, run,
                              run_script, print_answer)
 from benchmarks.reports import fmt, markdown_table
-from run_keeping.config import VITS, device_name, lessons, native_bf16
+from run_keeping.config import VITS, device_name, group_size, native_bf16, own_flags
+from run_keeping.reading import lessons
 from run_keeping.record import append_record
 
 # --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
@@ -261,7 +262,7 @@ def arithmetic(record):
     """What one process of the run a record describes should hold at its peak, term by term (bytes)."""
     parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
     row = lessons()[record["script"]]  # the lesson's technique
-    strategy, tp = row["strategy"], record.get("tensor_parallel_size") or 1
+    strategy, tp = row["strategy"], group_size(own_flags(row), record.get("settings") or {})
     fsdp, replicas = "fsdp2" in strategy, record["world_size"] // tp
     # parameters one process holds: FSDP2 shards them across the replicas, after TP split each MLP
     held = (parameters - blocks * (2 * width * mlp + mlp) * (1 - 1 / tp)) / replicas if fsdp else parameters
@@ -314,7 +315,7 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
 
         def need(n):
             record = dict(script=SCRIPTS[number], model=vit, precision="bf16-mixed", batch_size=16,
-                          accelerator="cpu", max_steps=TALK_STEPS, world_size=n, tensor_parallel_size=1)
+                          accelerator="cpu", max_steps=TALK_STEPS, world_size=n, settings={})
             return n * (libraries * 1e9 + sum(arithmetic(record).values()))
         free = available_memory(False)
         count = next((n for n in range(wanted, 0, -1) if need(n) < 0.85 * free), 1)

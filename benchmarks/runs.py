@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from run_keeping.config import lessons
+from run_keeping.reading import lessons
 from run_keeping.reading import upgrade
 from run_keeping.record import first_line
 

@@ -22,7 +22,8 @@ from benchmarks.memory import chain
 from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, process_range, processes_of, run_script,
                             print_answer)
 from benchmarks.reports import fmt, markdown_table
-from run_keeping.config import WARMUP_STEPS, lessons
+from run_keeping.config import WARMUP_STEPS, group_size, own_flags
+from run_keeping.reading import lessons
 from run_keeping.keeper import BUSY_WAIT
 from run_keeping.reading import precision_asked
 
@@ -63,7 +64,7 @@ def bare_spec(record):
     ran (precision, processes, sizes, compile mode) from the record."""
     row = lessons()[record["script"]]
     return {"precision": record["precision"], "strategy": row["strategy"],
-            "processes": record["world_size"], "tensor_parallel": record["tensor_parallel_size"] or 1,
+            "processes": record["world_size"], "tensor_parallel": group_size(own_flags(row), record.get("settings") or {}),
             "batch": record["batch_size"], "micro_batches": record["micro_batches"] or 1,
             "checkpointing": bool(row["activation_checkpointing"]), "optimizer": row["optimizer"],
             "compile_mode": record["compile_mode"]}

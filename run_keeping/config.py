@@ -5,6 +5,7 @@ Ctrl-C and SIGTERM end the program in one line (docs/run-keeping.md). Also lesso
 
 import argparse
 import csv
+import math
 import os
 import shlex
 import signal
@@ -25,15 +26,13 @@ INTERACTIVE = ("bash", "interactive")  # SLURM job names for which Lightning ign
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # The settings that name a run's checkpoint folder and model file where they differ from the
 # script's defaults, so runs of other settings never share them, with their spelling there.
+# A lesson's own flags (lessons.csv) follow, as the flag and its value: --max-norm 0.5 as max-norm0.5.
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
-NAMED_SETTINGS |= {"world_size": "procs{}", "tensor_parallel": "tp{}", "vit": "{}"}
+NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 # What a bf16 precision becomes where the device has no native bfloat16: on a GPU, bf16-mixed
 # becomes 16-mixed unless sharded (Fabric's ModelParallelStrategy takes no 16-mixed); otherwise
 # 32-true (a CPU's float16 is emulated too; 16-true would lose Adam's small steps).
 FALLBACKS = {("cuda", "bf16-mixed", False): "16-mixed"}
-WHOLE_COLUMNS = ("budget", "epochs", "devices", "min_devices")  # of lessons.csv; the other columns
-FIGURE_COLUMNS = ("time_min", "memory_gb", "test_acc_pct")  # and sequel_*: numbers; but for the lists, the others
-LIST_COLUMNS = ("flags", "memory_chain")  # are text
 
 
 def fail(message, code=2):
@@ -42,21 +41,10 @@ def fail(message, code=2):
     raise SystemExit(code)
 
 
-def lessons():
-    """{script: its row of lessons.csv}, each column typed (None where empty)."""
+def lesson_rows():
+    """lessons.csv: {script: its row}, as text (reading.lessons types it for the tools)."""
     with open(ROOT / "lessons.csv") as f:
-        rows = list(csv.DictReader(line for line in f if not line.startswith("#")))
-    return {row["script"]: {column: typed(column, value) for column, value in row.items()} for row in rows}
-
-
-def typed(column, value):
-    if column in LIST_COLUMNS:
-        return value.split()
-    if not value:
-        return None
-    if column in WHOLE_COLUMNS:
-        return int(value)
-    return float(value) if column.removeprefix("sequel_") in FIGURE_COLUMNS else value
+        return {row["script"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
 
 
 def invoked(*flags):
@@ -98,18 +86,67 @@ class Parser(argparse.ArgumentParser):
 
 
 def whole_number(minimum, maximum=None):
+    return number(int, minimum, maximum)
+
+
+def number(kind, least=None, most=None, above=None):
+    """argparse's type for a number of `kind` (int or float) within its range: one line otherwise."""
+
     def check(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be {minimum} or more, got {value}")
-        if maximum is not None and value > maximum:
-            raise argparse.ArgumentTypeError(f"must be at most {maximum:,}, got {value:,}")
+            raise argparse.ArgumentTypeError(f"must be a {NUMBER_WORDS[kind]}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if least is not None and value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:,}, got {value:,}")
+        if above is not None and value <= above:
+            raise argparse.ArgumentTypeError(f"must be above {above}, got {value}")
         return value
 
     return check
+
+
+NUMBER_WORDS = {int: "whole number", float: "number"}
+
+
+def own_flags(row):
+    """The flags a lesson's row declares (lessons.csv's flags column), each (flag, its declaration):
+    --max-norm type=float default=1.0 above=0 help='...' is ("--max-norm", {"type": "float", ...})."""
+    declared = []
+    for word in shlex.split(row.get("flags") or ""):
+        if word.startswith("--"):
+            declared.append((word, {}))
+        else:
+            key, _, value = word.partition("=")
+            declared[-1][1][key] = value
+    return declared
+
+
+def dest(flag):
+    """A flag's name in the settings: --max-norm is max_norm."""
+    return flag[2:].replace("-", "_")
+
+
+def group_size(declared, settings):
+    """The processes that hold one replica of the model: the product of a lesson's own settings (or
+    their defaults) that divide the processes (10's --tensor-parallel), 1 for a lesson with none."""
+    divide = [(flag, d) for flag, d in declared if d.get("divides") == "processes"]
+    return math.prod(settings.get(dest(flag), flag_keywords(d)["default"]) for flag, d in divide)
+
+
+def flag_keywords(declaration):
+    """add_argument's keywords for a declared flag: its type and range checked, its default in its help."""
+    kind = {"int": int, "float": float}[declaration["type"]]
+    bounds = {key: kind(declaration[key]) for key in ("min", "above") if key in declaration}
+    check = number(kind, least=bounds.get("min"), above=bounds.get("above"))
+    default = kind(declaration["default"])
+    divides = "; it must divide the processes" if declaration.get("divides") == "processes" else ""
+    help = f"{declaration['help']} (default {default}{divides}; the lesson's own flag, lessons.csv)"
+    return dict(type=check, default=default, metavar="N" if kind is int else "X", help=help)
 
 
 def check_path(flag, path, folder=False):
@@ -131,12 +168,6 @@ def check_path(flag, path, folder=False):
     except OSError as err:
         why = f"{target} is on a read-only file system" if os.statvfs(target).f_flag & os.ST_RDONLY else err.strerror
         fail(f"{flag} {path} cannot be written: {why}")
-
-
-# The flags a lesson's technique brings (lessons.csv's flags column names them per script).
-TECHNIQUE_FLAGS = {
-    "--tensor-parallel": dict(type=whole_number(1), default=2, metavar="N", help="processes that split each MLP")
-}
 
 
 def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
@@ -186,8 +217,8 @@ def parse_args(
     --devices default; `flags`: the script's own (flag, add_argument keywords); `train_images`: {kind: images}."""
     on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
     script, smoke_epochs = Path(sys.argv[0]).name, smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
-    row = lessons().get(script, {})
-    brought = [(flag, TECHNIQUE_FLAGS[flag]) for flag in row.get("flags") or ()]
+    row = lesson_rows().get(script, {})
+    brought = [(flag, flag_keywords(declaration)) for flag, declaration in own_flags(row)]
     parser = Parser(description=f"{script}: {row['technique']}. Changes {row['change']}." if row else script)
     add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, [*flags, *brought])
     given = parser.parse_args()
@@ -197,27 +228,28 @@ def parse_args(
         parser.error(f"{' and '.join(ignored)}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
     if given.smoke and given.vit:
         parser.error("--vit: a smoke run trains its own small ViT; drop it")
-    places = place_processes(given, parser, devices, brought)
+    own = {dest(flag): getattr(given, dest(flag)) for flag, _ in brought}
+    places = place_processes(given, parser, devices, own_flags(row))
     sizes = settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, train_images, micro_batches)
     defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
     chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
     named = [spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
+    named += [
+        f"{key.replace('_', '-')}{value}"
+        for (key, value), (_, kw) in zip(own.items(), brought)
+        if value != kw["default"]
+    ]
     name = "-".join(part for part in [Path(script).stem, kind, *named] if part)
     asked = row.get("precision") or "32-true"
     args = given  # the flags as given, and what they decide:
     vars(args).update(places, **sizes, script=script, kind=kind, vit=chosen["vit"], data_dir=given.data_dir or "data")
+    args.own = own  # the lesson's own settings: its row's flags, by name
     precision = precision_that_runs(asked, places["accelerator"], row.get("strategy") or "")
-    vars(args).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=row.get("compiles"))
+    vars(args).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=row.get("compiles") or None)
     vars(args).update(checkpoint_dir=given.checkpoint_dir or f"checkpoints/{name}", precision=precision)
     vars(args).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)
     args.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
-    check_path("--results", args.results)
-    check_path("--save-model", args.save_model)
-    check_path("--checkpoint-dir", args.checkpoint_dir, folder=True)
-    if not kind and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
-        fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-    if not kind and not args.no_download:
-        check_path("--data-dir", args.data_dir, folder=True)
+    check_places(args)
     # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
     # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
     warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
@@ -226,9 +258,20 @@ def parse_args(
     return args
 
 
-def place_processes(given, parser, devices, brought):
-    """The accelerator, the processes per machine and their tensor- and data-parallel split, with the
-    defaults the run name is measured against."""
+def check_places(args):
+    """Each place the run writes can be written: one line and exit 2 before any work otherwise."""
+    check_path("--results", args.results)
+    check_path("--save-model", args.save_model)
+    check_path("--checkpoint-dir", args.checkpoint_dir, folder=True)
+    if not args.kind and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
+        fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
+    if not args.kind and not args.no_download:
+        check_path("--data-dir", args.data_dir, folder=True)
+
+
+def place_processes(given, parser, devices, declared):
+    """The accelerator, the processes per machine and their data-parallel replicas (the processes over
+    the lesson's own settings that divide them), with the defaults the run name is measured against."""
     import torch
 
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -250,13 +293,14 @@ def place_processes(given, parser, devices, brought):
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
     check_launch(count, num_nodes, takes_devices=devices is not None)
-    tensor_parallel = getattr(given, "tensor_parallel", 1)
-    if tensor_parallel < 1 or (count * num_nodes) % tensor_parallel:
-        parser.error(f"--tensor-parallel {tensor_parallel} does not divide the {count * num_nodes} processes")
-    default_tp = next((kw["default"] for flag, kw in brought if flag == "--tensor-parallel"), 1)
+    for flag, declaration in declared:
+        value = getattr(given, dest(flag))
+        if declaration.get("divides") == "processes" and (count * num_nodes) % value:
+            parser.error(f"{flag} {value} does not divide the {count * num_nodes} processes")
+    group = group_size(declared, vars(given))
     places = dict(accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=count * num_nodes)
-    places.update(tensor_parallel=tensor_parallel, data_parallel=count * num_nodes // tensor_parallel)
-    return places | {"defaults": {"world_size": default_devices, "tensor_parallel": default_tp}}
+    places.update(data_parallel=count * num_nodes // group)
+    return places | {"defaults": {"world_size": default_devices}}
 
 
 def settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, train_images, micro_batches):
@@ -295,7 +339,10 @@ def check_launch(devices, num_nodes, takes_devices):
     """One line, exit 2, where the started processes cannot be the run the flags ask for: srun's or
     torchrun's counts differ, several SLURM tasks without srun, several machines with no launcher.
     Every process stops; the first says why."""
-    env, asked = os.environ, f"--devices {devices} --num-nodes {num_nodes}" + " (one process)" * (not takes_devices)
+    env, asked = (
+        os.environ,
+        f"--devices {devices} --num-nodes {num_nodes}" + ("" if takes_devices else " (one process)"),
+    )
     job, problem = env.get("SLURM_JOB_NAME"), None
     if "SLURM_NTASKS" in env and job not in INTERACTIVE:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))

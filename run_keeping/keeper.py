@@ -21,24 +21,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from run_keeping.config import (
-    EXIT_ON_SIGNAL,
-    INTERACTIVE,
-    VITS,
-    WARMUP_STEPS,
-    device_name,
-    fail,
-    fallback_line,
-    on_signals,
-)
-from run_keeping.config import invoked, resume_command, started_flags
-from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable
-from run_keeping.record import write_atomically
+from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
+from run_keeping.config import invoked, on_signals, resume_command, started_flags
+from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
-SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "tensor_parallel", "precision")
+SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
 # A run is busy when its computing thread spent more than this share of its ready time waiting for
 # a core. On an idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7% and
 # 07 9.0%; beside two programs spinning on the cores: 04 49%, 07 50%, 2-4 times slower.
@@ -134,13 +124,10 @@ class RunKeeper:
         if self.fabric and self.world_size > 1:
             failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
-                rank, world = self.rank, self.world_size
-                print(
-                    f"{self.config.script}: error: process {rank} of {world} stops too: another process could not go "
-                    "on (its line says why).",
-                    file=sys.stderr,
-                    flush=True,
+                why = (
+                    f"process {self.rank} of {self.world_size} stops too: another could not go on (its line says why)."
                 )
+                print(f"{self.config.script}: error: {why}", file=sys.stderr, flush=True)
             code = failed
         if code:
             raise SystemExit(code)
@@ -169,7 +156,8 @@ class RunKeeper:
 
     def start_over(self):
         """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
-        parent = f" && rmdir {shlex.quote(str(self.folder.parent))} 2>/dev/null" * self.config.checkpoint_dir_is_default
+        empty = f" && rmdir {shlex.quote(str(self.folder.parent))} 2>/dev/null"
+        parent = empty if self.config.checkpoint_dir_is_default else ""
         return f"start over with: rm -rf {shlex.quote(str(self.folder))}{parent}; {invoked(*started_flags())}"
 
     def keep_in_checkpoints(self, scheduler):
@@ -286,7 +274,7 @@ class RunKeeper:
                 torch.save(plain | {"progress": progress, "rng": state["rng"]}, partial)
             if self.rank == 0:
                 os.replace(partial, final)
-                settings = {key: getattr(self.config, key) for key in SETTINGS}
+                settings = {key: getattr(self.config, key) for key in SETTINGS} | self.config.own
                 latest = dict(
                     checkpoint=name, epochs_done=len(self.train_loss), script=self.config.script, kind=self.config.kind
                 )
@@ -315,7 +303,7 @@ class RunKeeper:
         if not isinstance(latest, dict):
             fail(f"--resume: {self.folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {start_over}")
         path, saved = self.folder / str(latest.get("checkpoint")), latest.get("settings") or {}
-        mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}}
+        mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}, **c.own}
         theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
         differences = [
             f"{key} {theirs.get(key)} (now {value})" for key, value in mine.items() if theirs.get(key) != value

@@ -5,10 +5,74 @@ itself, each with one line for what is wrong with it.
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
-from run_keeping.config import fail, lessons
-from run_keeping.record import REQUIRED, VERSION, why_unloadable
+from run_keeping.config import fail, lesson_rows, own_flags
+from run_keeping.record import VERSION, why_unloadable
+
+WHOLE_COLUMNS = ("budget", "epochs", "devices", "min_devices")  # of lessons.csv; the other columns
+FIGURE_COLUMNS = ("time_min", "memory_gb", "test_acc_pct")  # and sequel_*: numbers; but for the lists, the others
+LIST_COLUMNS = ("memory_chain",)  # are text
+
+
+def lessons():
+    """{script: its row of lessons.csv}, each column typed (None where empty)."""
+    return {
+        script: {column: typed(column, value) for column, value in row.items()} for script, row in lesson_rows().items()
+    }
+
+
+def typed(column, value):
+    if column in LIST_COLUMNS:
+        return value.split()
+    if not value:
+        return None
+    if column in WHOLE_COLUMNS:
+        return int(value)
+    return float(value) if column.removeprefix("sequel_") in FIGURE_COLUMNS else value
+
+
+# The record's fields and types: record.build makes them, in this order; docs/flags-records-exit-codes.md
+# says what each means; the smoke tests hold every record a script writes to them (tests/test_scripts.py).
+class Record(TypedDict):
+    record_version: int
+    # what ran
+    script: str
+    kind: str  # full, smoke, synthetic or smoke-synthetic
+    accelerator: str
+    device_name: str
+    devices: int
+    world_size: int
+    settings: dict[str, int | float]  # the lesson's own: its row's flags (lessons.csv), by name
+    precision: str
+    compile_mode: str | None
+    model: str
+    batch_size: int
+    micro_batches: int
+    seed: int
+    max_steps: int | None
+    # what it measured
+    train_time_s: float
+    images_per_s: float | None
+    peak_memory_gb: float
+    train_loss: list[float]
+    lr: list[float]  # each epoch's first step's
+    val_acc: list[float] | None
+    test_acc: float | None
+    busy: bool
+    cpu_s: float  # the process's CPU seconds, start to record: what the machine's load does not change
+    # where the model went, the libraries and the time
+    model_file: str
+    torch: str
+    lightning: str | None
+    timestamp: str
+    # benchmark.py --memory's own file of runs adds the table a run is for and the libraries' share
+    memory_table: NotRequired[str]
+    libraries_gb: NotRequired[float]
+
+
+FIELDS = list(Record.__annotations__)
+REQUIRED = [f for f in FIELDS if f in Record.__required_keys__]
 
 
 def whole(record):
@@ -31,6 +95,9 @@ def upgrade(record) -> dict[str, Any]:
         old["kind"] = "-".join(k for k in ("smoke", "synthetic") if old.get(k)) or "full"
     if "compile_mode" not in old:  # version 1 compiled with torch.compile's default, or not
         old["compile_mode"] = "default" if old.get("compiled") else None
+    if "settings" not in old:  # to version 3, 10's --tensor-parallel was a field of every record
+        tp = old.pop("tensor_parallel_size", None)
+        old["settings"] = {"tensor_parallel": tp} if own_flags(lessons().get(old.get("script"), {})) else {}
     return {**dict.fromkeys(REQUIRED), **old, "record_version": VERSION}
 
 

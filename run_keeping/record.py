@@ -1,9 +1,8 @@
 """A run's two outputs: the record, the one JSON line a finished run appends to --results, and the
 model file, a plain state dict of torchvision's VisionTransformer.
 
-The record's fields and types are Record's, built here (build) and read by every tool through
-read_runs, which brings an older record up to this version (upgrade). docs/flags-records-exit-codes.md
-says what each field means. A failed write is one line and exit 1; files are whole or absent.
+The record's fields and types are reading.Record's, built here (build) in its order, and read by every
+tool through reading.read_runs. A failed write is one line and exit 1; files are whole or absent.
 """
 
 import fcntl
@@ -13,62 +12,19 @@ import os
 import re
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import NotRequired, TypedDict
 
 from run_keeping.config import device_name, fail
 
-VERSION = 3  # 1: "steps" for batches_loaded; 2: 65 fields; 3: these 30
-
-
-class Record(TypedDict):
-    record_version: int
-    # what ran
-    script: str
-    kind: str  # full, smoke, synthetic or smoke-synthetic
-    accelerator: str
-    device_name: str
-    devices: int
-    world_size: int
-    tensor_parallel_size: int
-    precision: str
-    compile_mode: str | None
-    model: str
-    batch_size: int
-    micro_batches: int
-    seed: int
-    max_steps: int | None
-    # what it measured
-    train_time_s: float
-    images_per_s: float | None
-    peak_memory_gb: float
-    train_loss: list[float]
-    lr: list[float]  # each epoch's first step's
-    val_acc: list[float] | None
-    test_acc: float | None
-    busy: bool
-    cpu_s: float  # the process's CPU seconds, start to record: what the machine's load does not change
-    # where the model went, the libraries and the time
-    model_file: str
-    torch: str
-    lightning: str | None
-    timestamp: str
-    # benchmark.py --memory's own file of runs adds the table a run is for and the libraries' share
-    memory_table: NotRequired[str]
-    libraries_gb: NotRequired[float]
-
-
-FIELDS = list(Record.__annotations__)
-REQUIRED = [f for f in FIELDS if f in Record.__required_keys__]
+VERSION = 4  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size for 10's settings
 
 
 def build(config, fabric, compiled, measured):
-    """The record of a finished run, from its Config, whether torch.compile wrapped the model, and
-    what the keeper measured (train_time_s to cpu_s); a field that Record lacks, or one it has and
-    this leaves out, is an error of ty's (tests/test_types.py)."""
+    """The record of a finished run, from its settings, whether torch.compile wrapped the model, and
+    what the keeper measured (train_time_s to cpu_s): reading.Record's fields, in its order."""
     import torch
 
     c, m = config, measured
-    return Record(
+    return dict(
         record_version=VERSION,
         script=c.script,
         kind=c.kind or "full",
@@ -76,7 +32,7 @@ def build(config, fabric, compiled, measured):
         device_name=device_name(c.accelerator),
         devices=c.devices,
         world_size=c.world_size,
-        tensor_parallel_size=c.tensor_parallel,
+        settings=c.own,
         precision=fabric.strategy.precision.precision if fabric else "32-true",  # what ran
         compile_mode=(c.compile_mode or "default") if compiled else None,
         model="smoke ViT" if c.smoke else c.vit,

@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from run_keeping.config import lessons  # noqa: E402
+from run_keeping.reading import lessons
 from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)
 
 

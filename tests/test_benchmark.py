@@ -16,7 +16,7 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, read_records, script_env
-from run_keeping.config import lessons
+from run_keeping.reading import lessons
 from run_keeping.reading import read_runs, upgrade
 
 
@@ -330,7 +330,7 @@ def test_gpu_check_finds_python3_where_there_is_no_python(tmp_path):
 
 def test_the_talks_speedups_and_memory_beside_ours():
     """gpu_check's comparison: the talk's figures come from lessons.csv."""
-    from run_keeping.config import lessons as load_reference
+    from run_keeping.reading import lessons as load_reference
     rows = [{"script": runs.SCRIPTS[n], "batch": 16, "devices": 1, "vs_01": (v, v, v), "memory_gb": m}
             for n, v, m in (("01", 1.0, 3.5), ("02", 1.1, 3.6), ("03", 0.99, 3.5), ("04", 3.0, 2.9))]
     lines = throughput.talk_comparison(rows, load_reference())[2:]
@@ -371,8 +371,10 @@ def test_the_bare_loop_steps_with_the_scripts_optimizer_and_kernel():
 def test_tensor_parallel_script_is_known_with_its_layout():
     args = benchmark.parse_args(["--scripts", "10"])
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
+    # a record before version 4 held 10's --tensor-parallel as tensor_parallel_size: read as 10's own setting
     record = upgrade({"script": "10_fabric-vit-tensor-parallel.py", "precision": "bf16-mixed", "world_size": 2,
                       "tensor_parallel_size": 2, "batch_size": 16})
+    assert record["settings"] == {"tensor_parallel": 2} and "tensor_parallel_size" not in record
     assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
         "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "compile_mode": None}

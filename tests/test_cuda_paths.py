@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import local_utilities as lu
-from run_keeping.config import lessons
+from run_keeping.reading import lessons
 from run_keeping.keeper import RunKeeper
 
 

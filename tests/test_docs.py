@@ -74,7 +74,7 @@ def test_steps_mean_optimizer_steps_in_help_docs_and_records(capsys, monkeypatch
 
 def test_the_docs_list_every_record_field_and_no_other():
     """docs/flags-records-exit-codes.md's table of run-record fields is the schema's (Record)."""
-    from run_keeping.record import FIELDS
+    from run_keeping.reading import FIELDS
     page = (ROOT / "docs" / "flags-records-exit-codes.md").read_text()
     table = page.split("## Run records", 1)[1].split("\n\n| field |", 1)[1].split("\n\n", 1)[0]
     documented = [name for row in table.splitlines()[2:] for name in re.findall(r"`(\w+)`", row.split(" | ")[0])]

@@ -13,7 +13,8 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SCRIPTS
-from run_keeping.config import FALLBACKS, lessons
+from run_keeping.config import FALLBACKS
+from run_keeping.reading import lessons
 from run_keeping.reading import read_records
 
 GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H200": 141e9,
@@ -100,7 +101,7 @@ def test_the_memory_tables_are_written_whole_on_each_gpu(gpu, name, tmp_path):
     sequel's figures, the staircase, the chart."""
     gpu(name)
     records = [as_on(r, name) for r in memory_records()]
-    from run_keeping.config import lessons as load_reference
+    from run_keeping.reading import lessons as load_reference
     reference = load_reference()
     rows = [memory.row_of(r, memory.libraries_gb(cuda=True), reference) for r in records]
     text = memory.memory_tables(rows, 0.0, [], cuda=True)
@@ -192,7 +193,7 @@ def test_a_bare_loop_compiles_in_its_lessons_mode(script, monkeypatch, capsys):
         return model
     monkeypatch.setattr(torch, "compile", watched)
     row = lessons()[script]
-    record = {"script": script, "precision": "32-true", "world_size": 1, "tensor_parallel_size": 1, "batch_size": 4,
+    record = {"script": script, "precision": "32-true", "world_size": 1, "settings": {}, "batch_size": 4,
               "micro_batches": 1, "compile_mode": row["compiles"]}
     spec = throughput.bare_spec(record)
     throughput.bare_loop(argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu"))

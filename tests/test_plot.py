@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT
 
 import plot_results
-from run_keeping.config import lessons
+from run_keeping.reading import lessons
 from run_keeping.reading import upgrade
 from conftest import SCRIPTS
 

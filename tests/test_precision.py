@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import memory, throughput
 from conftest import ROOT, YARDSTICK, native_bf16, run_script, script_env
-from run_keeping.config import lessons
+from run_keeping.reading import lessons
 from run_keeping.reading import precision_asked, upgrade
 
 # bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
@@ -143,7 +143,7 @@ def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatc
     """--memory --talk on a CPU without native bfloat16: the talk table's lessons that ask for a bf16
     precision (lessons.csv) not measured, in one line that says why and where they can be measured,
     the others measured; --sequel (all of it bf16): nothing, said so."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     monkeypatch.setattr(memory, "native_bf16", lambda device: False)
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
     rows = {script[:2]: row for script, row in lessons().items()}

@@ -479,7 +479,6 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     ({"script": "03_fabric-vit.py"}, ["script 03_fabric-vit.py (now 01_pytorch-vit.py)"]),
     ({"kind": "smoke-synthetic"}, ["kind smoke-synthetic (now smoke)"]),
     ({"settings": {"world_size": 2}}, ["world_size 2 (now 1)"]),
-    ({"settings": {"tensor_parallel": 2}}, ["tensor_parallel 2 (now 1)"]),
     ({"settings": {"precision": "bf16-mixed"}}, ["precision bf16-mixed (now 32-true)"]),  # made where bf16 ran
 ])
 def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, meta, words):

@@ -14,9 +14,11 @@ import typing
 import pytest
 
 from conftest import native_bf16, read_records, ROOT, run_script, SCRIPTS, script_env
-from run_keeping.config import lessons, precision_that_runs
+from run_keeping.config import precision_that_runs
+from run_keeping.reading import lessons
 from run_keeping.reading import read_runs
-from run_keeping.record import REQUIRED, Record
+from run_keeping.reading import REQUIRED, Record
+from run_keeping.record import VERSION
 
 TYPES = typing.get_type_hints(Record)
 
@@ -28,6 +30,9 @@ def of_type(value, kind):
         return any(of_type(value, k) for k in typing.get_args(kind))
     if typing.get_origin(kind) is list:
         return isinstance(value, list) and all(of_type(v, typing.get_args(kind)[0]) for v in value)
+    if typing.get_origin(kind) is dict:
+        key, item = typing.get_args(kind)
+        return isinstance(value, dict) and all(of_type(k, key) and of_type(v, item) for k, v in value.items())
     if kind in (int, float):
         return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
     return isinstance(value, kind)
@@ -39,7 +44,7 @@ def test_a_record_of_an_earlier_version_reads_as_this_one():
     ("steps" renamed batches_loaded); and a value of a wrong type is told apart."""
     old = read_runs(ROOT / "reference" / "smoke-runs.jsonl")
     raw = [json.loads(line) for line in (ROOT / "reference" / "smoke-runs.jsonl").read_text().splitlines()]
-    assert all(r["record_version"] == 3 and set(REQUIRED) <= r.keys() and "steps" not in r for r in old)
+    assert all(r["record_version"] == VERSION and set(REQUIRED) <= r.keys() and "steps" not in r for r in old)
     assert [r["batches_loaded"] for r in old] == [r["steps"] for r in raw]
     assert {r["compile_mode"] for r in old if r["compiled"]} == {"default"}
     assert {r["compile_mode"] for r in old if not r["compiled"]} == {None}
@@ -170,7 +175,7 @@ def test_the_printed_time_leaves_out_the_checkpoint_writes(tmp_path):
 def test_records_say_what_ran(smoke_runs):
     """Each record's precision is what ran: the lesson's (lessons.csv), or, on a CPU without native
     bfloat16, its fallback; and its processes."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     rows = lessons()
     for script in SCRIPTS:
         record, row = smoke_runs(script).record, rows[script]
@@ -206,7 +211,7 @@ def test_the_cosine_schedule_counts_optimizer_steps(smoke_runs):
 def test_lessons_csv_names_each_lessons_optimizer_and_checkpointing():
     """What the memory arithmetic and the bare loop take from lessons.csv is what each script does:
     the optimizer it makes, whether it checkpoints activations, and (15) whether it offloads."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     for script, row in lessons().items():
         if not row["against"] and not script.startswith("00"):
             continue  # 08 trains nothing; 09, a recipe of its own: test_fast_recipe.py
@@ -220,7 +225,7 @@ def test_lessons_csv_names_each_lessons_optimizer_and_checkpointing():
 def test_a_cpu_run_of_cuda_graphs_says_it_has_none(smoke_runs):
     """A lesson that compiles with mode="reduce-overhead" (CUDA graphs, lessons.csv's compiles) says,
     run on a CPU, that the CPU has no CUDA graphs and what runs instead, before training."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     graphs = [s for s, row in lessons().items() if row["compiles"] == "reduce-overhead"]
     assert graphs
     for script in graphs:
@@ -256,7 +261,7 @@ def changed_lines(a, b):
 
 def chain():
     """(the script a lesson is a diff against, the lesson, its budget), from lessons.csv."""
-    from run_keeping.config import lessons
+    from run_keeping.reading import lessons
     rows = lessons()
     names = {script[:2]: script for script in rows}
     return [(names[row["against"]], script, row["budget"]) for script, row in rows.items() if row["against"]]
@@ -388,15 +393,26 @@ def test_the_talks_weights_epochs_batch_and_learning_rate(script):
     assert vit_kwargs["weights"] == (None if random_init else "IMAGENET1K_V1")
     assert parse_kwargs.get("devices", 1) == lessons()[script]["devices"]
     assert parse_kwargs.get("micro_batches", 1) == (4 if script in ACCUMULATING else 1)
-    source = (ROOT / script).read_text()
-    if script.startswith("14"):  # the sequel's SGD: lr 0.01, no momentum (so no state)
-        (sgd_kwargs, _), = calls(script, "SGD")
-        assert sgd_kwargs == {"lr": 0.01} and not calls(script, "Adam")
-    elif script in BF16_TRUE:  # the talk's lr; --smoke's larger one (docs/smoke.md says why)
-        assert "torch.optim.Adam(model.parameters(), lr=5e-4 if args.smoke else 5e-5)" in source
+    # the optimizer its row names, made once, and no other; its line (with its learning rate) is the
+    # talk's, kept from the script it is the diff against, or one this lesson changed and tagged
+    row = lessons()[script]
+    assert len(calls(script, row["optimizer"])) == 1, (script, row["optimizer"])
+    assert not [name for name in OPTIMIZERS - {row["optimizer"]} if calls(script, name)], script
+    line = optimizer_line(script, row["optimizer"])
+    if row["against"]:
+        against = next(s for s in lessons() if s.startswith(row["against"]))
+        kept = line == optimizer_line(against, lessons()[against]["optimizer"])
+        assert kept or f"# [{script[:2]}] instead of" in line, f"{script}: {line}"
     else:
-        (adam_kwargs, _), = calls(script, "Adam")
-        assert adam_kwargs == {"lr": 5e-5}
+        assert line.startswith("optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)"), line  # the talk's
+
+
+OPTIMIZERS = {"Adam", "AdamW", "SGD"}
+
+
+def optimizer_line(script, optimizer):
+    return next(line.strip() for line in (ROOT / script).read_text().splitlines()
+                if f"torch.optim.{optimizer}(" in line)
 
 
 @pytest.mark.parametrize("script", ACCUMULATING)

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.reports import markdown_table  # noqa: E402
 from run_keeping.reading import read_records, read_runs, whole  # noqa: E402
-from run_keeping.config import VITS, lessons  # noqa: E402
+from run_keeping.config import VITS  # noqa: E402
+from run_keeping.reading import lessons
 
 REFERENCE = ROOT / "reference"
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -242,6 +243,21 @@ def epochs():
         full = row["epochs"]
         by.setdefault((full, SMOKE_EPOCHS.get(full, 2)), []).append(script[:2])
     return "; ".join(f"{', '.join(numbers)}: {full} (`--smoke`: {smoke})" for (full, smoke), numbers in by.items())
+
+
+def lesson_flags():
+    """docs/flags-records-exit-codes.md: each lesson's own flags, from their one declaration (lessons.csv)."""
+    from run_keeping.config import flag_keywords, own_flags
+    rows = []
+    for script, row in lessons().items():
+        for flag, declared in own_flags(row):
+            keywords = flag_keywords(declared)
+            bounds = [f"at least {declared['min']}" if "min" in declared else "",
+                      f"above {declared['above']}" if "above" in declared else "",
+                      "divides the processes" if declared.get("divides") == "processes" else ""]
+            rows.append([f"`{flag} {keywords['metavar']}`", script[:2], f"{declared['type']}, " + ", ".join(b for b in bounds if b),
+                         str(keywords["default"]), declared["help"]])
+    return "\n".join(markdown_table(["flag", "lesson", "value", "default", ""], rows))
 
 
 def no_bf16_smoke():
