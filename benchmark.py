@@ -29,7 +29,7 @@ from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, on_signal
 def parse_args(argv=None):
     parser = Parser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--smoke", action="store_true", help="the small ViT at 32x32 (CPU)")
+    add("--smoke", action="store_true", help="the small ViT at 32x32 (CPU); --memory: ViT-B/16 alone; --talk and --sequel: the smoke ViT")
     talk, sequel = (" ".join(memory.chain(table)) for table in ("talk", "sequel"))  # lessons.csv's memory_chain
     several = " ".join(n for n, script in SCRIPTS.items() if process_range(script)[0])  # lessons.csv's devices
     add("--scripts", nargs="+", default=None, metavar="NN[@B]", help="scripts by number, @B for "
@@ -77,7 +77,7 @@ def settle(args, parser):
     if (args.talk or args.sequel) and not args.memory:
         parser.error("--talk and --sequel go with --memory")
     args.memory_models_given = args.memory_models is not None
-    args.memory_models = args.memory_models or ["ViT-B/16", "ViT-L/16"]
+    args.memory_models = args.memory_models or (["ViT-B/16"] if args.smoke else ["ViT-B/16", "ViT-L/16"])
     if args.talk or args.sequel:
         if any(m not in memory.VIT_OF for m in args.memory_models):
             parser.error(f"--memory --talk builds the scripts' own models: {' '.join(memory.VIT_OF)}")
@@ -103,7 +103,8 @@ def settle(args, parser):
     unknown = sorted(set(args.peak_tflops) - set(peaks.UNIT))
     if unknown:
         parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(peaks.UNIT)}")
-    if args.accelerator == "auto":  # the scripts' auto refuses a CPU without --smoke: synthetic runs are short
+    args.chose_device = args.accelerator == "auto"
+    if args.accelerator == "auto":
         args.accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"  # --smoke: as the scripts
     gpus = torch.cuda.device_count() if args.accelerator == "cuda" else None
     args.skipped = [f"{script} needs {needed} GPUs and this machine has {gpus}" for script, _ in args.runs
@@ -140,6 +141,9 @@ def main(argv=None):
         return memory.memory_run(args)
     if args.peaks:
         return print("\n".join(peaks.peaks_table()))
+    if args.chose_device and args.accelerator == "cpu" and not (args.smoke or args.memory):  # as the scripts
+        fail("no CUDA GPU found: without --smoke this measures ViT-B/16 at 224, hours on a CPU. Try "
+             "python benchmark.py --smoke (the small ViT), or add --accelerator cpu to insist.")
     if args.memory:
         text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else memory.memory_report(args)
     else:
@@ -153,6 +157,9 @@ def main(argv=None):
     if not args.memory:
         print(f"Records appended to {args.results} (chart them with: "
               f"{chart_command('smoke-synthetic' if args.smoke else 'synthetic', args.results)})")
+    if args.memory and chart is None:  # the tables' notes say why
+        why = "; ".join(line[2:] for line in text.splitlines() if line.startswith("- ")) or "no run"
+        fail(f"nothing was measured: {why}", code=SOME_FAILED)
     if failed:
         fail(f"{failed} configuration(s) failed; their rows say why, the others were measured.", code=SOME_FAILED)
 

@@ -151,11 +151,11 @@ def memory_report(args):
     for r in rows:  # records, from which strategy_table makes its table again
         r.update(device_name=device_name("cuda" if cuda else "cpu"), timestamp=when, notes=notes)
         append_record(Path(args.results).parent / "memory-strategies.jsonl", r)
-    chart = Path(args.results).parent / "memory.png"
+    chart, table = Path(args.results).parent / "memory.png", strategy_table(rows, notes)  # the table adds the peaks charted
     if rows:
         memory_chart(rows, chart, rows[0]["device_name"])
     unmeasured = len(MEMORY_STRATEGIES) - len({r["strategy"] for r in rows})
-    return strategy_table(rows, notes), chart if rows else None, unmeasured if not rows else len(failed)
+    return table, chart if rows else None, unmeasured if not rows else len(failed)
 
 
 def strategy_table(rows, notes=None):
@@ -243,24 +243,30 @@ TALK_PROCESSES = 4   # the talk's 4 GPUs, for the scripts that take --devices (l
 SEQUEL_PROCESSES = 2  # --sequel's sharded lessons: enough to shard, half the time on a CPU
 TALK_STEPS = 4      # 3 untimed, 1 timed; Adam's moments exist from the first, so 2-4 are the steady state
 VIT_OF = {name: vit for vit, name in VITS.items()}  # "ViT-L/16": "vit_l_16", the scripts' --vit
-SIZE, TOKENS = 224, (224 // 16) ** 2 + 1  # the talk's images: 196 patches and the class token
+SMOKE_VIT = "smoke ViT"  # --memory --talk --smoke: the scripts' --smoke --synthetic model, at 32x32
+MODEL_NAMES = {**VITS, SMOKE_VIT: "the smoke ViT"}
 
 
 @functools.lru_cache(maxsize=None)
 def vit_shape(vit):
-    """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block)."""
+    """(parameters with the 10-class head, blocks, width, MLP width, parameters of one block, image
+    size, tokens): the talk's at 224, 196 patches and the class token; the smoke ViT's at 32."""
     import torchvision.models
-    from torchvision.models.vision_transformer import EncoderBlock
+    from torchvision.models.vision_transformer import EncoderBlock, VisionTransformer
+
+    from local_utilities import smoke_vit
     with torch.device("meta"):
-        model = torchvision.models.get_model(vit, num_classes=10)
+        model = smoke_vit() if vit == SMOKE_VIT else torchvision.models.get_model(vit, num_classes=10)
+    assert isinstance(model, VisionTransformer)
     blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
-    return (sum(p.numel() for p in model.parameters()), len(blocks), model.hidden_dim,
-            model.mlp_dim, sum(p.numel() for p in blocks[0].parameters()))
+    size = model.image_size
+    return (sum(p.numel() for p in model.parameters()), len(blocks), model.hidden_dim, model.mlp_dim,
+            sum(p.numel() for p in blocks[0].parameters()), size, (size // model.patch_size) ** 2 + 1)
 
 
 def arithmetic(record):
     """What one process of the run a record describes should hold at its peak, term by term (bytes)."""
-    parameters, blocks, width, mlp, per_block = vit_shape(record["model"])
+    parameters, blocks, width, mlp, per_block, size, tokens = vit_shape(record["model"])
     row = lessons()[record["script"]]  # the lesson's technique
     strategy, tp = row["strategy"], group_size(own_flags(row), record.get("settings") or {})
     fsdp, replicas = "fsdp2" in strategy, record["world_size"] // tp
@@ -276,16 +282,16 @@ def arithmetic(record):
     # saved per image and block: 9 values a token of the width, 2 of the MLP's (2 bytes in bf16,
     # 4 in float32); autocast keeps the two LayerNorms' inputs in float32 (2 bytes more each)
     value = 4 if record["precision"] == "32-true" else 2
-    one_block = (9 * TOKENS * width + 2 * TOKENS * mlp // tp) * value \
-        + (2 * TOKENS * width * 2 if record["precision"] == "bf16-mixed" else 0)
-    per_image = blocks * TOKENS * width * value + one_block if row["activation_checkpointing"] \
+    one_block = (9 * tokens * width + 2 * tokens * mlp // tp) * value \
+        + (2 * tokens * width * 2 if record["precision"] == "bf16-mixed" else 0)
+    per_image = blocks * tokens * width * value + one_block if row["activation_checkpointing"] \
         else blocks * one_block                  # checkpointed: each block's input, one block again
     micro = record["batch_size"] // (record.get("micro_batches") or 1)
     terms["activations"] = per_image * micro
     # a CPU's synthetic run holds all its images; a GPU's one step's of them (local_utilities)
     steps = 1 if record.get("accelerator") == "cuda" else record["max_steps"]
     images = (steps * record["batch_size"] + 2) * replicas
-    terms["synthetic images"] = images * 3 * SIZE * SIZE * 4
+    terms["synthetic images"] = images * 3 * size * size * 4
     return terms
 
 
@@ -352,6 +358,7 @@ def memory_plan(args, cuda, libraries, gpus=None):
     scripts = args.memory_scripts or chain("sequel" if args.sequel else "talk")
     vits = [VIT_OF[m] for m in args.memory_models] if args.memory_models_given else \
         (list(VITS) if args.sequel else ["vit_b_16"])
+    vits = [SMOKE_VIT] if args.smoke else vits
     skipped = [n for n in scripts if asks_bf16(n)] if not cuda and not native_bf16("cpu") else []
     notes = [f"{', '.join(skipped)} not measured: this {device_name('cpu')} has no native bfloat16, so "
              "their bf16 precision would run in float32, which is not their lesson; measure them on a CPU "
@@ -373,7 +380,8 @@ def run_for_memory(number, vit, processes, args, libraries, timeout=None):
     script, cuda = SCRIPTS[number], args.accelerator == "cuda"
     with tempfile.TemporaryDirectory(prefix="memory-") as scratch:
         folder = Path(scratch)
-        flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16", "--vit", vit,
+        flags = ["--synthetic", "--max-steps", str(TALK_STEPS), "--batch-size", "16",
+                 *(["--smoke"] if vit == SMOKE_VIT else ["--vit", vit]),
                  "--save-model", str(folder / "model.pt"), "--checkpoint-dir", str(folder / "checkpoints"),
                  "--accelerator", args.accelerator]
         if process_range(script)[0]:  # 1 too, where a script's own default is 4
@@ -413,6 +421,7 @@ def memory_tables(rows, libraries, notes, cuda):
     when = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
     measured = [r for r in rows if "failed" not in r]
     device = measured[0]["record"]["device_name"] if measured else device_name("cuda" if cuda else "cpu")
+    size = vit_shape(rows[0]["vit"])[5] if rows else 224
     figure = "torch.cuda.max_memory_reserved" if cuda else (
         f"peak resident memory (VmHWM) with glibc's thresholds fixed, less the {libraries:.2f} GB an "
         "interpreter holds with torch, torchvision, lightning and torchmetrics imported")
@@ -424,7 +433,7 @@ def memory_tables(rows, libraries, notes, cuda):
     cells = []
     for r in rows:
         if "failed" in r:
-            cells.append([SCRIPTS[r["number"]], VITS[r["vit"]], r["processes"], f"FAILED: {r['failed']}",
+            cells.append([SCRIPTS[r["number"]], MODEL_NAMES[r["vit"]], r["processes"], f"FAILED: {r['failed']}",
                           *["-"] * 10])
             continue
         rec, ref = r["record"], r["reference"]
@@ -434,16 +443,16 @@ def memory_tables(rows, libraries, notes, cuda):
         talk_gb = ref.get("memory_gb") if r["vit"] == "vit_b_16" and rec["world_size"] == ref.get("devices") else None
         talk_speed = talk01_min / ref["time_min"] if talk_gb and ref.get("time_min") else None
         sequel = ref.get("sequel_memory_gb") if r["vit"] == "vit_l_16" else None
-        cells.append([rec["script"], VITS[r["vit"]], rec["world_size"], rec["precision"], f"{r['peak']:.2f}",
+        cells.append([rec["script"], MODEL_NAMES[r["vit"]], rec["world_size"], rec["precision"], f"{r['peak']:.2f}",
                       f"{r['less']:.2f}", f"{r['expected']:.2f}", f"{r['less'] / r['expected']:.2f}",
                       fmt(talk_gb, "{:.2f}"), fmt(talk_gb and r["less"] / talk_gb - 1, "{:+.0%}"),
                       fmt(sequel, "{:.2f}"), fmt(rec["images_per_s"], "{:.1f}"), fmt(speed, "{:.2f}x"),
                       fmt(talk_speed, "{:.2f}x")])
     lines = [f"Memory per process, {when}, on {device}: each script as it is, on synthetic images at "
-             f"224x224, batch 16 per process, random init, {TALK_STEPS} steps; {figure}.", "",
+             f"{size}x{size}, batch 16 per process, random init, {TALK_STEPS} steps; {figure}.", "",
              *markdown_table(header, cells), "", "The arithmetic, term by term (GB per process):", "",
              *markdown_table(["script", "model", *TERMS], [
-                 [r["record"]["script"], VITS[r["vit"]], *(fmt(r["terms"].get(t) and r["terms"][t] / 1e9, "{:.2f}")
+                 [r["record"]["script"], MODEL_NAMES[r["vit"]], *(fmt(r["terms"].get(t) and r["terms"][t] / 1e9, "{:.2f}")
                                                           for t in TERMS)] for r in measured])]
     lines += staircase_lines(measured) + [""]
     talked = [(r["number"], r["less"] / r["reference"]["memory_gb"] - 1) for r in measured
@@ -474,13 +483,13 @@ def staircase_lines(rows):
         before = by.get((vit, against.get(number)))
         if before:
             saved, expected = before["less"] - r["less"], before["expected"] - r["expected"]
-            cells.append([f"{before['number']} → {number}", VITS[vit], f"{before['less']:.2f}", f"{r['less']:.2f}",
+            cells.append([f"{before['number']} → {number}", MODEL_NAMES[vit], f"{before['less']:.2f}", f"{r['less']:.2f}",
                           f"{saved:.2f}", f"{expected:.2f}", fmt(saved / expected if expected else None, "{:.2f}")])
     lines = ["", "The chain as a staircase (peak less libraries, GB per process):", "", *markdown_table(
         ["step", "model", "before", "after", "saved", "saved by arithmetic", "saved / arithmetic"], cells)] \
         if cells else []
     if lines:
-        steps = [(f"{before['number']}→{r['number']} {VITS[r['vit']]}", (before["less"] - r["less"]) /
+        steps = [(f"{before['number']}→{r['number']} {MODEL_NAMES[r['vit']]}", (before["less"] - r["less"]) /
                   (before["expected"] - r["expected"])) for (vit, _), r in by.items()
                  if (before := by.get((vit, against.get(r["number"])))) and before["expected"] != r["expected"]]
         off = [(name, ratio) for name, ratio in steps if abs(ratio - 1) > 0.15]
@@ -490,7 +499,7 @@ def staircase_lines(rows):
     for vit in VITS:
         start, end = by.get((vit, "04")), by.get((vit, "14"))
         if start and end:
-            lines.append(f"- {VITS[vit]}: 04 to 14 holds {start['less'] / end['less']:.1f}x less "
+            lines.append(f"- {MODEL_NAMES[vit]}: 04 to 14 holds {start['less'] / end['less']:.1f}x less "
                          f"per process ({start['less']:.2f} GB to {end['less']:.2f} GB; goal on "
                          f"ViT-L/16: 3x).")
     return lines
@@ -523,10 +532,11 @@ def staircase_chart(rows, path, device, when=None):
                                     xytext=(4, 4), textcoords="offset points", color="C3")
         ax.set_xticks(list(x))
         ax.set_xticklabels([f"{r['number']}\n{r['record']['world_size']}p" for r in mine])
-        ax.set_title(VITS[vit], fontsize=10)
+        ax.set_title(MODEL_NAMES[vit], fontsize=10)
         ax.set_ylabel("peak memory per process (GB)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Memory per process, batch 16 at 224x224 ({device}, "
+    size = vit_shape(rows[0]["vit"])[5]
+    fig.suptitle(f"Memory per process, batch 16 at {size}x{size} ({device}, "
                  f"{when or datetime.now(timezone.utc):%Y-%m-%d})", fontsize=9)
     fig.tight_layout()
     save(fig, path)

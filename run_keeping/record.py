@@ -23,37 +23,15 @@ def build(config, fabric, compiled, measured):
     what the keeper measured (train_time_s to cpu_s): reading.Record's fields, in its order."""
     import torch
 
-    c, m = config, measured
-    return dict(
-        record_version=VERSION,
-        script=c.script,
-        kind=c.kind or "full",
-        accelerator=c.accelerator,
-        device_name=device_name(c.accelerator),
-        devices=c.devices,
-        world_size=c.world_size,
-        settings=c.own,
-        precision=fabric.strategy.precision.precision if fabric else "32-true",  # what ran
-        compile_mode=(c.compile_mode or "default") if compiled else None,
-        model="smoke ViT" if c.smoke else c.vit,
-        batch_size=c.batch_size,
-        micro_batches=c.micro_batches,
-        seed=c.seed,
-        max_steps=c.max_steps,
-        train_time_s=m["train_time_s"],
-        images_per_s=m["images_per_s"],
-        peak_memory_gb=m["peak_memory_gb"],
-        train_loss=m["train_loss"],
-        lr=m["lr"],
-        val_acc=m["val_acc"],
-        test_acc=m["test_acc"],
-        busy=m["busy"],
-        cpu_s=m["cpu_s"],
-        model_file=str(c.save_model),
-        torch=torch.__version__,
-        lightning=importlib.metadata.version("lightning"),
-        timestamp=datetime.now(timezone.utc).isoformat(),
-    )
+    c = config
+    record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
+    record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
+    record |= {"settings": c.own, "precision": fabric.strategy.precision.precision if fabric else "32-true"}  # ran
+    record |= {"compile_mode": (c.compile_mode or "default") if compiled else None}
+    record |= {"model": "smoke ViT" if c.smoke else c.vit, "batch_size": c.batch_size, "micro_batches": c.micro_batches}
+    record |= {"seed": c.seed, "max_steps": c.max_steps, **measured, "model_file": str(c.save_model)}
+    record |= {"torch": torch.__version__, "lightning": importlib.metadata.version("lightning")}
+    return record | {"timestamp": datetime.now(timezone.utc).isoformat()}
 
 
 def append_record(path, record, then=""):

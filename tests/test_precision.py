@@ -148,7 +148,7 @@ def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatc
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
     rows = {script[:2]: row for script, row in lessons().items()}
     bf16 = lambda numbers: [n for n in numbers if rows[n]["precision"].startswith("bf16")]  # noqa: E731
-    talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[])
+    talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[], smoke=False)
     plan, notes = memory.memory_plan(talk, cuda=False, libraries=0.8)
     chain = memory.chain("talk")
     assert [number for _, number, _ in plan] == [n for n in chain if n not in bf16(chain)] and bf16(chain)
