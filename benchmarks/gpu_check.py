@@ -255,7 +255,8 @@ def print_plan(args, gpus):
             runs = [f"{script[:2]} at batch {batch}" if batch else script[:2] for script, batch in runs]
         print(f"{number}. {name}: {title}\n   " + ("; ".join(runs) or "no lesson"))
     for table in ("talk", "sequel"):
-        tables = argparse.Namespace(memory_scripts=None, sequel=table == "sequel", memory_models_given=False, memory_models=[])
+        tables = argparse.Namespace(memory_scripts=None, sequel=table == "sequel", memory_models_given=False, memory_models=[],
+                                    smoke=False)
         planned, notes = memory.memory_plan(tables, True, 0.0, gpus=gpus)
         print(f"benchmark.py --memory --{table}: " + "; ".join(
             [f"{n} on {memory.VITS[vit]}, {count} process(es)" for vit, n, count in planned] + notes))

@@ -246,8 +246,8 @@ def parse_args(
     args.own = own  # the lesson's own settings: its row's flags, by name
     precision = precision_that_runs(asked, places["accelerator"], row.get("strategy") or "")
     vars(args).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=row.get("compiles") or None)
+    vars(args).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
     vars(args).update(checkpoint_dir=given.checkpoint_dir or f"checkpoints/{name}", precision=precision)
-    vars(args).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)
     args.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
     check_places(args)
     # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run

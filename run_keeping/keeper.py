@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
 from run_keeping.config import invoked, on_signals, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
+from run_keeping.record import write_whole
 
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
@@ -124,9 +125,7 @@ class RunKeeper:
         if self.fabric and self.world_size > 1:
             failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
-                why = (
-                    f"process {self.rank} of {self.world_size} stops too: another could not go on (its line says why)."
-                )
+                why = f"process {self.rank} of {self.world_size} stops too: another process could not go on (its line says why)."
                 print(f"{self.config.script}: error: {why}", file=sys.stderr, flush=True)
             code = failed
         if code:
@@ -257,8 +256,13 @@ class RunKeeper:
         final, partial = self.folder / name, self.folder / (name + ".tmp")
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
-        progress = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
-        progress.update(train_time_s=train_time_s, timed_images=images, timed_seconds=seconds)
+        progress = {"epochs_done": len(self.train_loss), "train_loss": self.train_loss, "lr": self.lr}
+        progress |= {
+            "val_acc": self.val_acc,
+            "train_time_s": train_time_s,
+            "timed_images": images,
+            "timed_seconds": seconds,
+        }
         state = {"model": self.model, "optimizer": self.optimizer, "progress": progress, "rng": torch.get_rng_state()}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
         if self.last:
@@ -271,19 +275,17 @@ class RunKeeper:
             else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
                 plain = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
                 plain |= {"scheduler": self.scheduler.state_dict()} if self.scheduler else {}
-                torch.save(plain | {"progress": progress, "rng": state["rng"]}, partial)
+                write_whole(partial, torch_bytes(plain | {"progress": progress, "rng": state["rng"]}))
             if self.rank == 0:
                 os.replace(partial, final)
-                settings = {key: getattr(self.config, key) for key in SETTINGS} | self.config.own
-                latest = dict(
-                    checkpoint=name, epochs_done=len(self.train_loss), script=self.config.script, kind=self.config.kind
-                )
-                latest.update(settings=settings)
+                c, env = self.config, os.environ  # a requeued job, a torchrun restart: the same launch ids
                 launch = {
-                    "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                    "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+                    "slurm_job_id": env.get("SLURM_JOB_ID"),
+                    "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"),
                 }
-                latest.update(flags=started_flags(), launch=launch)  # a requeued job or torchrun restart has the same
+                latest = {"checkpoint": name, "epochs_done": len(self.train_loss), "script": c.script, "kind": c.kind}
+                latest |= {"settings": {key: getattr(c, key) for key in SETTINGS} | c.own, "flags": started_flags()}
+                latest |= {"launch": launch}
                 write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
                 for older in self.folder.glob("epoch-*.ckpt"):
                     if older.name != name:
@@ -305,9 +307,7 @@ class RunKeeper:
         path, saved = self.folder / str(latest.get("checkpoint")), latest.get("settings") or {}
         mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}, **c.own}
         theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
-        differences = [
-            f"{key} {theirs.get(key)} (now {value})" for key, value in mine.items() if theirs.get(key) != value
-        ]
+        differences = [f"{key} {theirs.get(key)} (now {v})" for key, v in mine.items() if theirs.get(key) != v]
         if differences:
             as_started = f"continue it as started: {resume_command(latest.get('flags'))}; or {start_over}"
             fail(f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}")
@@ -324,11 +324,9 @@ class RunKeeper:
                     self.scheduler.load_state_dict(state["scheduler"])
         except Exception as err:  # a truncated or foreign file fails in many ways
             fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")
-        progress = state["progress"]
-        self.last = path
-        self.start_epoch, self.train_loss, self.val_acc, self.lr = (
-            progress[k] for k in ("epochs_done", "train_loss", "val_acc", "lr")
-        )
+        progress, self.last = state["progress"], path
+        self.start_epoch, self.train_loss = progress["epochs_done"], progress["train_loss"]
+        self.val_acc, self.lr = progress["val_acc"], progress["lr"]
         self.earlier = {key: progress[key] for key in self.earlier}
         return state["rng"]
 
@@ -353,13 +351,10 @@ class RunKeeper:
             "train_time_s": round(train_time_s, 3),
             "images_per_s": images_per_s,
             "peak_memory_gb": round(peak, 4),
-            "train_loss": self.train_loss,
-            "lr": self.lr,
-            "val_acc": None if c.synthetic else self.val_acc,
-            "test_acc": test_acc,
-            "busy": waited > BUSY_WAIT,
-            "cpu_s": round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3),
         }
+        measured |= {"train_loss": self.train_loss, "lr": self.lr, "val_acc": None if c.synthetic else self.val_acc}
+        cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # what the machine's load does not change
+        measured |= {"test_acc": test_acc, "busy": waited > BUSY_WAIT, "cpu_s": cpu_s}
 
         def keep():
             if self.rank == 0:
@@ -385,7 +380,7 @@ class RunKeeper:
     def interrupted_line(self, signum):
         name, c = signal.Signals(signum).name, self.config
         if self.finished:
-            return f"interrupted ({name}) as the run finished: its record is in {c.results} and its model in {c.save_model}."
+            return f"interrupted ({name}) after the run finished: its record is in {c.results} and its model in {c.save_model}."
         done, lost = len(self.train_loss), self.batch_in_epoch
         losing = f"; the {lost} batches of epoch {done + 1} trained since are not kept" if lost else ""
         if self.last:

@@ -62,6 +62,18 @@ def append_record(path, record, then=""):
         os.close(fd)  # and with it the lock
 
 
+def write_whole(path, data):
+    """`data` to `path` through os.write until all of it is written, then to the disk (fsync)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path, data, then="nothing else was changed"):
     """`data` to `path`, written beside it and renamed into place. A failed write: one line, exit 1,
     ending in `then` (what was kept, how to go on)."""
@@ -69,14 +81,7 @@ def write_atomically(path, data, then="nothing else was changed"):
     partial = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-        try:
-            view = memoryview(data)
-            while view:  # os.write may take part of it
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_whole(partial, data)
         os.replace(partial, path)
     except OSError as err:
         partial.unlink(missing_ok=True)

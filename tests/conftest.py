@@ -20,6 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+# The suite checks the CPU's paths, on a GPU machine too: torch in this process and in every script
+# a test starts sees no GPU (CUDA reads this when first used). The GPU's paths are rehearsed with
+# torch.cuda's answers stood in for (tests/test_cuda_paths.py, tests/test_gpu_rehearsal.py).
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)
 

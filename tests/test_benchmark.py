@@ -215,8 +215,9 @@ def test_gpu_check_at_smoke_size(tmp_path):
     bare = [r for r in rows if r[0] == "bare loop"]
     assert len(scripts) == len(records) and len(bare) == len(records)  # each its own layout
     for row, record in zip(scripts, records):
-        assert (row[0], int(row[1]), row[2], int(row[4])) == (record["script"], record["batch_size"],
-                                                              record["precision"], record["world_size"])
+        ran = row[2].split(" (asked ")[0]  # a CPU without native bfloat16 says what was asked too
+        assert (row[0], int(row[1]), ran, int(row[4])) == (record["script"], record["batch_size"],
+                                                           record["precision"], record["world_size"])
         assert float(row[5]) == pytest.approx(record["images_per_s"], abs=0.06)
         assert row[7] != "-"  # every script has its bare loop to compare with
     assert "What this run shows, on CPU" in report and "What it cannot say: anything about a GPU" in report

@@ -119,7 +119,7 @@ CANNOT_RUN_HERE = {
     "bash tools/check_stack.sh minimums": "several GB of downloads", "bash tools/check_stack.sh h200": "several GB of downloads",
 }
 # The smallest scale of a program's command that reaches its code, added to each of its commands
-SMALLEST = {"benchmark.py --smoke": "--repeat 1 --max-steps 4 --loader-images 0",
+SMALLEST = {"benchmark.py --smoke": "--repeat 1 --max-steps 4 --loader-images 0 --scripts 01",
             "make_smoke_weights.py": "--images 100 --steps 2"}
 # What a command that stops here says in its one line: what it needs that this machine lacks
 NEEDS = re.compile(r"no CUDA GPU|CIFAR-10|no model file|no model of a whole run|no native bfloat16|needs? \d+ GPU")

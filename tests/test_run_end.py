@@ -29,8 +29,8 @@ sys.addaudithook(_at)
 """
 
 # 04, one process; 05, two (Lightning's launcher gives each its share of the cores)
-MOMENTS = [("04_fabric-vit-mixed-precision.py", m) for m in ("model", "record", "checkpoint-removed")]
-MOMENTS += [("05_fabric-vit-mixed-ddp.py", m) for m in ("model", "checkpoint-removed")]
+MOMENTS = [("04_fabric-vit-mixed-precision.py", m) for m in ("model", "checkpoint-removed")]
+MOMENTS += [("05_fabric-vit-mixed-ddp.py", "record")]
 
 
 @pytest.mark.slow
@@ -51,7 +51,7 @@ def test_a_signal_in_the_last_writes_at_default_threads_ends_the_run_finished(tm
     records = [json.loads(line) for line in (tmp_path / "results" / "runs.jsonl").read_text().splitlines()]
     assert len(records) == 1 and (tmp_path / records[0]["model_file"]).is_file()
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"{script}: interrupted (SIGINT) as the run finished: its record is in results/runs.jsonl and "
+    assert last == (f"{script}: interrupted (SIGINT) after the run finished: its record is in results/runs.jsonl and "
                     f"its model in {records[0]['model_file']}."), out[-2000:]
     assert sum("interrupted" in line for line in out.splitlines()) == 1, out[-2000:]
     assert not (tmp_path / "checkpoints").exists()  # the finished run's checkpoint went with it

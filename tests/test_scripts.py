@@ -14,7 +14,7 @@ import typing
 import pytest
 
 from conftest import native_bf16, read_records, ROOT, run_script, SCRIPTS, script_env
-from run_keeping.config import precision_that_runs
+from run_keeping.config import SMOKE_EPOCHS, precision_that_runs
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs
 from run_keeping.reading import REQUIRED, Record
@@ -71,12 +71,13 @@ WALL_LIMIT_S = {s: 240 for s in SCRIPTS if ROWS[s]["compiles"] or ROWS[s]["devic
 def test_smoke_run_learns_and_records(smoke_runs, script):
     run = smoke_runs(script)
     out, record = run.out, run.record
+    random_init = "random init" in ROWS[script]["technique"]  # its row: 00
     assert list(record) == REQUIRED and not [f for f, v in record.items() if not of_type(v, TYPES[f])]
     assert record["script"] == script and record["kind"] == "smoke"
     assert record["accelerator"] == "cpu" and record["device_name"].startswith("CPU")
-    assert record["test_acc"] >= (0.75 if script.startswith("00") else 0.85)  # random init: lower
+    assert record["test_acc"] >= (0.75 if random_init else 0.85)  # random init: lower
     epochs = len(record["train_loss"])
-    assert len(record["val_acc"]) == len(record["lr"]) == epochs == (4 if script.startswith("00") else 2)
+    assert len(record["val_acc"]) == len(record["lr"]) == epochs == SMOKE_EPOCHS.get(ROWS[script]["epochs"], 2)
     assert record["train_loss"][-1] < record["train_loss"][0]
     assert record["peak_memory_gb"] > 0 and record["images_per_s"] > 0
     assert 0 < record["train_time_s"] < run.wall_s
@@ -90,8 +91,7 @@ def test_smoke_run_learns_and_records(smoke_runs, script):
     throughput = re.search(r"^Throughput (\d+\.\d) training images/s$", out, re.M)
     assert throughput and abs(float(throughput[1]) - record["images_per_s"]) <= 0.055 + 1e-9  # 0.05 + 0.005
     assert record["kind"] == "smoke"
-    init = ("pretrained on printed digits, smoke_weights/smoke-vit-printed-digits.pt"
-            if not script.startswith("00") else "random init")
+    init = "random init" if random_init else "pretrained on printed digits, smoke_weights/smoke-vit-printed-digits.pt"
     # a smoke run says so in its first lines and its last, and the last names the model file
     lines = [line for line in out.splitlines() if line.strip()]
     before_training = lines[:next(i for i, line in enumerate(lines) if line.startswith("Epoch:"))]
@@ -388,14 +388,13 @@ def calls(script, name):
 def test_the_talks_weights_epochs_batch_and_learning_rate(script):
     (parse_kwargs, _), = calls(script, "parse_args")
     (vit_kwargs, _), = calls(script, "build_vit")
-    random_init = script.startswith("00")
-    assert parse_kwargs["epochs"] == (10 if random_init else 3)
-    assert vit_kwargs["weights"] == (None if random_init else "IMAGENET1K_V1")
+    row = lessons()[script]
+    assert parse_kwargs["epochs"] == row["epochs"]
+    assert vit_kwargs["weights"] == (None if "random init" in row["technique"] else "IMAGENET1K_V1")
     assert parse_kwargs.get("devices", 1) == lessons()[script]["devices"]
     assert parse_kwargs.get("micro_batches", 1) == (4 if script in ACCUMULATING else 1)
     # the optimizer its row names, made once, and no other; its line (with its learning rate) is the
     # talk's, kept from the script it is the diff against, or one this lesson changed and tagged
-    row = lessons()[script]
     assert len(calls(script, row["optimizer"])) == 1, (script, row["optimizer"])
     assert not [name for name in OPTIMIZERS - {row["optimizer"]} if calls(script, name)], script
     line = optimizer_line(script, row["optimizer"])
@@ -435,14 +434,14 @@ def test_fabric_scripts_call_fabric_backward(script):
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)
 def test_the_talks_precision_line(script):
-    source = (ROOT / script).read_text()
-    if script.startswith("03"):
+    """The precision its row names, in the talk's words (precision="bf16-mixed"), or none for 32-true;
+    a bf16-true lesson makes its model in bfloat16 (under fabric.init_module)."""
+    source, precision = (ROOT / script).read_text(), ROWS[script]["precision"]
+    if precision == "32-true":
         assert "precision=" not in source
-    elif script in BF16_TRUE:
-        assert re.search(r'^        precision="bf16-true",  # \[11\] instead of "bf16-mixed"', source, re.M)
-        assert "    with fabric.init_module():  # [11] new" in source  # the model made in bfloat16
     else:
-        assert re.search(r'^        precision="bf16-mixed",  # \[04\] new', source, re.M)
+        assert len(re.findall(rf'^        precision="{precision}",  # \[\d\d\] ', source, re.M)) == 1, script
+    assert ("    with fabric.init_module():  # [" in source) == (precision == "bf16-true"), script
 
 
 def test_no_tf32_switch_anywhere():

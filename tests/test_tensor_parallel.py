@@ -41,7 +41,7 @@ def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
     tp2, tp1 = smoke_runs(TP).record, one_process_run
     assert (tp2["settings"], tp2["world_size"]) == ({"tensor_parallel": 2}, 2)  # 10's own setting, from its row
     assert (tp1["settings"], tp1["world_size"]) == ({"tensor_parallel": 1}, 1)
-    assert tp1["model_file"].endswith("-tensor-parallel1.pt") and "tensor-parallel" not in tp2["model_file"]
+    assert tp1["model_file"].endswith("-tensor-parallel1.pt") and tp2["model_file"].endswith("-smoke.pt")
     # both processes of the pair train on the same batch of 16: as many steps as one process
     assert tp2["batch_size"] == tp1["batch_size"] == SMOKE_GLOBAL_BATCH
     assert f"Batch 0000/{1197 // SMOKE_GLOBAL_BATCH:04d}" in smoke_runs(TP).out
