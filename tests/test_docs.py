@@ -121,8 +121,10 @@ CANNOT_RUN_HERE = {
 # The smallest scale of a program's command that reaches its code, added to each of its commands
 SMALLEST = {"benchmark.py --smoke": "--repeat 1 --max-steps 4 --loader-images 0 --scripts 01",
             "make_smoke_weights.py": "--images 100 --steps 2"}
-# What a command that stops here says in its one line: what it needs that this machine lacks
-NEEDS = re.compile(r"no CUDA GPU|CIFAR-10|no model file|no model of a whole run|no native bfloat16|needs? \d+ GPU")
+# What a command that stops here says in its one line: what it needs that this machine lacks (a GPU or more,
+# CIFAR-10, a finished run's model, the pictures a user gives, native bfloat16)
+NEEDS = re.compile(r"no CUDA GPU|CIFAR-10|no model file|no model of a whole run|a finished training run writes one|cannot read the image|"
+                   r"no native bfloat16|needs? \d+ GPU")
 
 
 def run_here(command):
