@@ -204,8 +204,14 @@ import os, signal, sys, time
 def _signal():
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.5)  # the handler runs here, at the next bytecode
-if os.environ["HOOK_SIGNAL_WHEN"] == "loading":  # as the script imports torchmetrics, torch already loaded
-    sys.addaudithook(lambda event, args: event == "import" and args[0] == "torchmetrics" and _signal())
+_sent = []
+def _once():
+    if not _sent:
+        _sent.append(True)
+        _signal()
+if os.environ["HOOK_SIGNAL_WHEN"] == "loading":  # as the script imports torchmetrics (or, where that came
+    # earlier, watermark, its last library), torch already loaded: a set moment of the loading
+    sys.addaudithook(lambda event, args: event == "import" and args[0] in ("torchmetrics", "watermark") and _once())
 elif os.environ["HOOK_SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
     sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("runs.jsonl")
                      and isinstance(args[2], int) and args[2] & os.O_APPEND and _signal())
