@@ -204,15 +204,7 @@ import os, signal, sys, time
 def _signal():
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(0.5)  # the handler runs here, at the next bytecode
-_sent = []
-def _once():
-    if not _sent:
-        _sent.append(True)
-        _signal()
-if os.environ["HOOK_SIGNAL_WHEN"] == "loading":  # as the script imports torchmetrics (or, where that came
-    # earlier, watermark, its last library), torch already loaded: a set moment of the loading
-    sys.addaudithook(lambda event, args: event == "import" and args[0] in ("torchmetrics", "watermark") and _once())
-elif os.environ["HOOK_SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
+if os.environ["HOOK_SIGNAL_WHEN"] == "record":  # as the record file is opened to append the run's record
     sys.addaudithook(lambda event, args: event == "open" and str(args[0]).endswith("runs.jsonl")
                      and isinstance(args[2], int) and args[2] & os.O_APPEND and _signal())
 elif os.environ["HOOK_SIGNAL_WHEN"] == "setup":  # as the smoke ViT's weights load: after the flags, before training
@@ -223,26 +215,17 @@ elif os.environ["HOOK_SIGNAL_WHEN"] == "setup":  # as the smoke ViT's weights lo
 
 @pytest.mark.slow
 def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
-    """Ctrl-C while the libraries load: Python's own KeyboardInterrupt (the run has not started:
-    importing run_keeping does nothing), nothing written. From the run's start on (its flags
-    parsed): while the run is set up, in training and in its last evaluation: one line each, exit
-    130, no traceback, and nothing written unless a checkpoint of where it was. While the finished
-    run writes its record and after it has ended: the model and record written, the checkpoints
-    gone, one line saying so, exit 130. (The runs that get as far as training train 10 steps an
-    epoch: each moment comes as in a whole run, sooner.)"""
+    """Ctrl-C from the run's start on (its flags parsed): while the run is set up, in training and in
+    its last evaluation: one line each, exit 130, no traceback, and nothing written unless a
+    checkpoint of where it was. While the finished run writes its record: the model and record
+    written, the checkpoints gone, one line saying so, exit 130. (The runs that get as far as
+    training train 10 steps an epoch: each moment comes as in a whole run, sooner.)"""
     site = tmp_path / "site-end"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SIGNAL_AT_THE_END)
-    # at a set moment of the loading, not after a set time: a Ctrl-C at a moment a library runs a
-    # finaliser or catches what it imports is Python's and that library's to handle (seen: one
-    # ignored in a finaliser, the run going on; numpy refusing to load twice after a half import)
-    folder = tmp_path / "loading"
-    folder.mkdir()
-    proc = run_script("01_pytorch-vit.py", "--smoke", cwd=folder, fresh=True,  # a fork has them loaded
-                      env=script_env(folder, PYTHONPATH=str(site), HOOK_SIGNAL_WHEN="loading"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode in (130, -signal.SIGINT) and out.rstrip().endswith("KeyboardInterrupt"), out[-2000:]
-    assert not (folder / "results").exists() and not (folder / "models").exists()
+    # While the libraries load, a Ctrl-C is Python's and the libraries' to handle; what is ours, that
+    # importing run_keeping installs nothing, test_layout.py's test_importing_run_keeping_does_nothing
+    # checks directly (a signal sent at an import here was seen lost in the whole suite on an AVX2 CPU).
     short = ["--max-steps", "10"]  # 2 epochs of 10 steps
     folder = tmp_path / "setup"
     folder.mkdir()
