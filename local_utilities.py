@@ -152,15 +152,8 @@ def smoke_vit():
     printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
     from torchvision.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(
-        image_size=SMOKE_IMAGE_SIZE,
-        patch_size=8,
-        num_layers=3,
-        num_heads=4,
-        hidden_dim=128,
-        mlp_dim=256,
-        num_classes=10,
-    )
+    size, classes = SMOKE_IMAGE_SIZE, NUM_CLASSES
+    return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=classes)
 
 
 def build_vit(weights, args):

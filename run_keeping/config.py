@@ -173,11 +173,7 @@ def check_path(flag, path, folder=False):
 def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
     """The shared flags; docs/flags-records-exit-codes.md says more of each."""
     add, number = parser.add_argument, dict(type=whole_number(1), metavar="N")
-    add(
-        "--smoke",
-        action="store_true",
-        help="offline demo on the CPU (even beside a GPU, unless --accelerator cuda): a small ViT on 8x8 digits (docs/smoke.md)",
-    )
+    add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
     add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
     add(
         "--max-steps",
@@ -198,7 +194,7 @@ def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
         "--accelerator",
         default="auto",
         choices=["auto", "cuda", "cpu"],
-        help="auto: the GPU, else the CPU; --smoke: the CPU",
+        help="auto: the GPU, else the CPU (--smoke: CPU)",
     )
     if devices is not None:
         capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
@@ -234,11 +230,7 @@ def parse_args(
     defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
     chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
     named = [spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
-    named += [
-        f"{key.replace('_', '-')}{value}"
-        for (key, value), (_, kw) in zip(own.items(), brought)
-        if value != kw["default"]
-    ]
+    named += [f"{flag[2:]}{own[dest(flag)]}" for flag, kw in brought if own[dest(flag)] != kw["default"]]
     name = "-".join(part for part in [Path(script).stem, kind, *named] if part)
     asked = row.get("precision") or "32-true"
     args = given  # the flags as given, and what they decide:
@@ -339,10 +331,8 @@ def check_launch(devices, num_nodes, takes_devices):
     """One line, exit 2, where the started processes cannot be the run the flags ask for: srun's or
     torchrun's counts differ, several SLURM tasks without srun, several machines with no launcher.
     Every process stops; the first says why."""
-    env, asked = (
-        os.environ,
-        f"--devices {devices} --num-nodes {num_nodes}" + ("" if takes_devices else " (one process)"),
-    )
+    env, one = os.environ, "" if takes_devices else " (one process)"
+    asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
     job, problem = env.get("SLURM_JOB_NAME"), None
     if "SLURM_NTASKS" in env and job not in INTERACTIVE:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))

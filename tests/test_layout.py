@@ -140,7 +140,7 @@ def private_names(path):
 
 # What a lesson's run may read: at most this many of the project's files and lines, besides
 # parallelize.py, which only the sharded lessons import. The goal is 1,200 lines.
-RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 5, 1320, ROOT / "parallelize.py"
+RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 5, 1305, ROOT / "parallelize.py"
 
 
 def test_what_a_lesson_runs_on_is_small_formatted_and_public():
