@@ -2,7 +2,7 @@
 torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
 before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
 changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
-figures and each script's change are in lessons.csv.
+figures are in lessons.csv.
 
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
@@ -20,7 +20,7 @@ from watermark import watermark
 from local_utilities import build_vit
 from local_utilities import evaluate
 from local_utilities import get_dataloaders
-from local_utilities import parse_args
+from local_utilities import lesson_parser
 from run_keeping.keeper import RunKeeper
 
 
@@ -62,7 +62,8 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    args = parser.parse_args()
     with RunKeeper(args) as keeper:  # checkpoints, --resume, Ctrl-C, one line for a known error, the record: run_keeping/keeper.py
         device = torch.device(args.accelerator)
         print(watermark(packages="torch,torchvision,lightning", python=True))

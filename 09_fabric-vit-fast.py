@@ -24,8 +24,7 @@ from local_utilities import build_vit
 from local_utilities import cifar10_datasets
 from local_utilities import digits_datasets
 from local_utilities import evaluate
-from local_utilities import parse_args
-from local_utilities import resize_on_device
+from local_utilities import lesson_parser
 from run_keeping.keeper import RunKeeper
 
 WARMUP_FRACTION = 0.05
@@ -60,6 +59,15 @@ def uint8_splits(args):
         train_images, train_labels = splits["train"]
         splits["train"] = (train_images[:n], train_labels[:n])
     return splits
+
+
+def resize_on_device(images, size):
+    """The talk's transform on a batch already on the device: uint8 N x 3 x 32 x 32 to floats in
+    [0, 1], bilinear to size x size; within 1/255 of Resize + ToTensor (PIL rounds)."""
+    images = images.float().div_(255)
+    if images.shape[-1] == size:
+        return images
+    return torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
 
 
 class DeviceData:
@@ -118,9 +126,10 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
 
 
 def parse_flags():
-    return parse_args(epochs=3, devices=1, batch_size=128, loader=False, flags=[
-        ("--compile-on-cpu", dict(action="store_true", help="on a CPU too, take the path a GPU "
-                                  "takes: torch.compile and the fused AdamW"))])
+    parser = lesson_parser(epochs=3, devices=1, batch_size=128, loader=False)
+    parser.add_argument("--compile-on-cpu", action="store_true", help="on a CPU too, take the path a GPU takes: "
+                        "torch.compile and the fused AdamW")
+    return parser.parse_args()
 
 
 def make_optimizer(model, args, fused):

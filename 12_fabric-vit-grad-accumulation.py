@@ -2,7 +2,7 @@
 torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
 before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
 changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
-figures and each script's change are in lessons.csv.
+figures are in lessons.csv.
 
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
@@ -21,7 +21,7 @@ from watermark import watermark
 from local_utilities import build_vit
 from local_utilities import evaluate
 from local_utilities import get_dataloaders
-from local_utilities import parse_args
+from local_utilities import lesson_parser
 from run_keeping.keeper import RunKeeper
 
 
@@ -62,7 +62,9 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3, micro_batches=4)  # [12] instead of parse_args(epochs=3): the loader hands out each batch of 16 in 4 micro-batches
+    parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    parser.set_defaults(micro_batches=4)  # [12] new: the loader hands out each batch of 16 in 4 micro-batches
+    args = parser.parse_args()
     fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         precision="bf16-true",  # [11] instead of "bf16-mixed": weights, gradients and Adam's state in bfloat16 too

@@ -2,7 +2,7 @@
 torchvision's ViT-B/16 trained on CIFAR-10. Each numbered script adds one technique to the one
 before it: `diff` two neighbours to see it; `--help` says which. The comment of a line a lesson
 changed begins with that lesson's number: `[03] instead of ...`, `[04] new: ...`. The talk's
-figures and each script's change are in lessons.csv.
+figures are in lessons.csv.
 
     python THIS_SCRIPT.py            # a GPU machine: the talk's run (downloads CIFAR-10, weights)
     python THIS_SCRIPT.py --smoke    # the offline demo: a small ViT on 8x8 digits, on a CPU
@@ -21,7 +21,7 @@ from watermark import watermark
 from local_utilities import build_vit
 from local_utilities import evaluate
 from local_utilities import get_dataloaders
-from local_utilities import parse_args
+from local_utilities import lesson_parser
 from run_keeping.keeper import RunKeeper
 
 
@@ -62,7 +62,8 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
 
 if __name__ == "__main__":
-    args = parse_args(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
+    args = parser.parse_args()
     fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         precision="bf16-mixed",  # [04] new: mixed precision
@@ -89,6 +90,7 @@ if __name__ == "__main__":
         model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
 
         model = torch.compile(model, mode="reduce-overhead")  # [16] new: CUDA graphs: each step's kernels recorded once, then replayed in one launch
+        if fabric.device.type != "cuda": fabric.print("A CPU has no CUDA graphs: here the model is only compiled.")  # [16] new: on a GPU, reduce-overhead replays them
         model = fabric.setup_module(model)  # [03] instead of model.to(device)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
         optimizer = fabric.setup_optimizers(optimizer)  # [03] new

@@ -1,6 +1,7 @@
 """What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the
-talk, and the offline --smoke and --synthetic stand-ins), the model and evaluation
-(06, 07, 10 and 15's parallelize functions are in parallelize.py). The command line, records, checkpoints and --resume are in run_keeping/."""
+talk, and the offline --smoke and --synthetic stand-ins), the model and evaluation (the sharded
+lessons' parallelize functions are in parallelize.py). The command line, records, checkpoints and
+--resume are in run_keeping/."""
 
 import os
 import shutil
@@ -11,8 +12,7 @@ import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
-from run_keeping import config as command_line
-from run_keeping.config import fail
+from run_keeping.config import LessonParser, fail
 
 NUM_CLASSES = 10
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
@@ -24,10 +24,10 @@ SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
 # -- Flags ----------------------------------------------------------------------------------------
-def parse_args(epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True, micro_batches=1):
-    """The shared command line (run_keeping/config.py), checked against these data's sizes."""
+def lesson_parser(epochs, devices=None, batch_size=16, loader=True):
+    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
-    return command_line.parse_args(epochs, devices, batch_size, smoke_epochs, flags, loader, images, micro_batches)
+    return LessonParser(epochs, devices, batch_size, loader, train_images=images)
 
 
 # -- Data -----------------------------------------------------------------------------------------
@@ -36,15 +36,6 @@ def talk_transforms():
     from torchvision import transforms
 
     return transforms.Compose([transforms.Resize((TALK_IMAGE_SIZE, TALK_IMAGE_SIZE)), transforms.ToTensor()])
-
-
-def resize_on_device(images, size=TALK_IMAGE_SIZE):
-    """The talk's transform on a batch already on the device (09): uint8 N x 3 x 32 x 32 to
-    floats in [0, 1], bilinear to size x size; within 1/255 of Resize + ToTensor (PIL rounds)."""
-    images = images.float().div_(255)
-    if images.shape[-1] == size:
-        return images
-    return torch.nn.functional.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
 
 
 def get_dataloaders(args):
@@ -120,26 +111,17 @@ def synthetic_datasets(args, device=None):
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.data_parallel
 
-    def make(n, held):
-        images = torch.rand(held, 3, size, size, generator=g)
-        labels = torch.randint(0, NUM_CLASSES, (held,), generator=g)
-        return TensorDataset(images, labels) if device is None else Cycled(images.to(device), labels.to(device), n)
+    def make(n, held):  # n items, cycling through the `held` made
+        images, labels = (
+            torch.rand(held, 3, size, size, generator=g),
+            torch.randint(0, NUM_CLASSES, (held,), generator=g),
+        )
+        return Subset(
+            TensorDataset(images.to(device or "cpu"), labels.to(device or "cpu")), [i % held for i in range(n)]
+        )
 
     train, each = args.max_steps * per_step, args.data_parallel  # to evaluate: one image a process
     return make(train, train if device is None else per_step), make(each, each), make(each, each)
-
-
-class Cycled(torch.utils.data.Dataset):
-    """`length` items from the images and labels held, cycled through (a synthetic run's on a GPU)."""
-
-    def __init__(self, images, labels, length):
-        self.images, self.labels, self.length = images, labels, length
-
-    def __len__(self):
-        return self.length
-
-    def __getitem__(self, index):
-        return self.images[index % len(self.images)], self.labels[index % len(self.images)]
 
 
 # -- Model ----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ other data), and a table with each script's speedup over 01 (images/s over 01's;
 for logs, which publish no throughput, 01's training time over the script's). Several seeds: the
 bar is their mean, the error bar their range.
 """
+import json
 import os
 import re
 import sys
@@ -18,9 +19,9 @@ import textwrap
 from pathlib import Path
 
 from benchmarks.reports import chart_command
-from run_keeping.config import Parser, check_path, dest, fail, flag_keywords, on_signals, own_flags, stop_while_starting
+from run_keeping.config import Parser, check_path, fail, on_signals, stop_while_starting
 from run_keeping.reading import lessons
-from run_keeping.reading import precision_asked, read_runs, upgrade, whole
+from run_keeping.reading import read_runs, upgrade, whole
 
 ROOT = Path(__file__).resolve().parent
 BASELINE = "01_pytorch-vit.py"
@@ -101,8 +102,8 @@ SPREAD = ("train_time_s", "test_acc", "peak_memory_gb", "images_per_s")
 
 def configuration(record):
     """What a ratio may be formed across: runs of the same kind, per-process batch, model and
-    processes; and what keeps runs apart: the lesson's own settings (its flags in lessons.csv)."""
-    own = tuple(sorted((record.get("settings") or {}).items()))
+    processes; and what keeps runs apart: the lesson's own settings (its own flags)."""
+    own = tuple(sorted((flag, json.dumps(value)) for flag, value in (record.get("settings") or {}).items()))
     return (record["kind"], record["batch_size"], record["model"], record["world_size"], own)
 
 
@@ -183,7 +184,7 @@ def differences(record, reference):
     """What a run did otherwise than the talk's run of its script."""
     talk = reference.get(record["script"], {})
     found = []
-    if record["precision"] and record["precision"] != precision_asked(record):
+    if record["precision"] and record["precision"] != record["precision_asked"]:
         found.append(f"ran {record['precision']}")
     if record["batch_size"] and record["batch_size"] != 16:
         found.append(f"batch {record['batch_size']}")
@@ -191,10 +192,8 @@ def differences(record, reference):
         found.append(f"{record['world_size']} process{'es' if record['world_size'] > 1 else ''}")
     if record["model"] not in (None, "vit_b_16", "smoke ViT"):
         found.append(record["model"])
-    for flag, declaration in own_flags(lessons().get(record["script"], {})):  # the lesson's own flags
-        value = (record.get("settings") or {}).get(dest(flag))
-        if value is not None and value != flag_keywords(declaration)["default"]:
-            found.append(f"{flag} {value}")
+    for flag, value in (record.get("settings") or {}).items():  # the lesson's own flags, each said
+        found.append(flag if value is True else f"no {flag}" if value is False else f"{flag} {value}")
     if record["busy"]:
         found.append("BUSY: shared CPU")
     return found

@@ -16,8 +16,8 @@ import torch
 from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, memory_env, process_range, run,
                              run_script, print_answer)
 from benchmarks.reports import fmt, markdown_table
-from run_keeping.config import VITS, device_name, group_size, native_bf16, own_flags
-from run_keeping.reading import lessons
+from run_keeping.config import VITS, device_name, native_bf16, read_script
+from run_keeping.reading import ROOT, lessons
 from run_keeping.record import append_record
 
 # --memory: torchvision's ViTs at a small image size (what the strategies divide is the model
@@ -268,8 +268,8 @@ def arithmetic(record):
     """What one process of the run a record describes should hold at its peak, term by term (bytes)."""
     parameters, blocks, width, mlp, per_block, size, tokens = vit_shape(record["model"])
     row = lessons()[record["script"]]  # the lesson's technique
-    strategy, tp = row["strategy"], group_size(own_flags(row), record.get("settings") or {})
-    fsdp, replicas = "fsdp2" in strategy, record["world_size"] // tp
+    strategy, replicas = row["strategy"], record.get("data_parallel") or record["world_size"]  # planned: as if 1 a replica
+    fsdp, tp = "fsdp2" in strategy, record["world_size"] // replicas
     # parameters one process holds: FSDP2 shards them across the replicas, after TP split each MLP
     held = (parameters - blocks * (2 * width * mlp + mlp) * (1 - 1 / tp)) / replicas if fsdp else parameters
     terms = state_terms(record["precision"], row["optimizer"], strategy, parameters, held)
@@ -332,7 +332,7 @@ def talk_processes(number, vit, cuda, libraries, wanted=TALK_PROCESSES, gpus=Non
 
 
 def asks_bf16(number):
-    precision = lessons()[SCRIPTS[number]]["precision"]
+    precision = read_script(ROOT / SCRIPTS[number])["precision"] or ""
     return precision if precision.startswith("bf16") else None
 
 

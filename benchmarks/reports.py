@@ -3,7 +3,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from run_keeping.config import ROOT
+from run_keeping.reading import ROOT
 from run_keeping.record import write_atomically
 
 

@@ -83,8 +83,9 @@ def why(code, stderr):
 
 
 def run_script(script, flags, results, env=None, timeout=None):
-    """A numbered script with `flags`: (the record it appended to `results`, wall seconds), or
-    RunFailed."""
+    """A numbered script with `flags`, and those its row's measured_with names: (the record it appended
+    to `results`, wall seconds), or RunFailed."""
+    flags = [*flags, *(lessons()[script]["measured_with"] or [])]
     def lines():
         try:
             return Path(results).read_text().splitlines()

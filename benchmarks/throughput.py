@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import cast  # Fabric's setup_optimizers and all_reduce: one in, one out
 
@@ -22,10 +23,9 @@ from benchmarks.memory import chain
 from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, process_range, processes_of, run_script,
                             print_answer)
 from benchmarks.reports import fmt, markdown_table
-from run_keeping.config import WARMUP_STEPS, group_size, own_flags
-from run_keeping.reading import lessons
+from run_keeping.config import WARMUP_STEPS
+from run_keeping.reading import ROOT, lessons
 from run_keeping.keeper import BUSY_WAIT
-from run_keeping.reading import precision_asked
 
 REPEAT = 3        # rounds of every configuration, interleaved: a median and a spread each
 STEPS = {"smoke": 200, "full": 40}  # steps per run: about a second timed, at either size
@@ -64,7 +64,7 @@ def bare_spec(record):
     ran (precision, processes, sizes, compile mode) from the record."""
     row = lessons()[record["script"]]
     return {"precision": record["precision"], "strategy": row["strategy"],
-            "processes": record["world_size"], "tensor_parallel": group_size(own_flags(row), record.get("settings") or {}),
+            "processes": record["world_size"], "tensor_parallel": record["world_size"] // (record["data_parallel"] or record["world_size"]),
             "batch": record["batch_size"], "micro_batches": record["micro_batches"] or 1,
             "checkpointing": bool(row["activation_checkpointing"]), "optimizer": row["optimizer"],
             "compile_mode": record["compile_mode"]}
@@ -185,8 +185,11 @@ def loader_rates(num_images, workers, batch_size=16):
 
 
 def resize_rate(num_images, device, batch_size=128):
-    """Images/s of 09's input pipeline: uint8 images on the device, resized to 224 there."""
-    from local_utilities import resize_on_device
+    """Images/s of the fast recipe's input pipeline (the lesson in the GPU check's fast stage, lessons.csv):
+    uint8 images on the device, resized to 224 there by its own resize_on_device."""
+    import runpy
+    fast = next(script for script, row in lessons().items() if row["gpu_check"] == "fast")
+    resize_on_device = partial(runpy.run_path(str(ROOT / fast))["resize_on_device"], size=224)
     images = torch.randint(0, 256, (num_images, 3, 32, 32), dtype=torch.uint8, device=device)
     resize_on_device(images[:batch_size])  # warm-up
     if device.type == "cuda":
@@ -277,7 +280,7 @@ def spread_of(values):
 
 
 def precision_of(record):
-    asked = precision_asked(record)
+    asked = record["precision_asked"]
     return record["precision"] + (f" (asked {asked})" if asked and asked != record["precision"] else "")
 
 

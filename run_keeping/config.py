@@ -1,20 +1,24 @@
-"""The command line every numbered script shares, parsed once: a bad value, an ignored flag, an
-unusable path or a launch that does not match the flags is one line and exit 2. Where the device
-has no native bfloat16 it sets LT_PRECISION, which the lesson's Fabric(...) reads; from its start
-Ctrl-C and SIGTERM end the program in one line (docs/run-keeping.md). Also lessons.csv, read here."""
+"""A lesson's command line: the flags every lesson shares, then the lesson's own, added in the script
+with argparse's add_argument; parse_args() checks them (a bad value, an ignored flag, an unusable path
+or a launch that does not match is one line and exit 2) and adds what they decide. What the script's
+own text asks for (its precision, its torch.compile mode, its --help) is read from it (read_script);
+where the device has no native bfloat16 it sets LT_PRECISION, which the lesson's Fabric(...) reads.
+From the parser's start Ctrl-C and SIGTERM end the program in one line (docs/run-keeping.md)."""
 
 import argparse
-import csv
-import math
+import ast
+import json
 import os
+import re
 import shlex
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
 SYNTHETIC_STEPS = 20  # --synthetic trains this many optimizer steps (one epoch) unless --max-steps
@@ -25,26 +29,24 @@ MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here
 INTERACTIVE = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # The settings that name a run's checkpoint folder and model file where they differ from the
-# script's defaults, so runs of other settings never share them, with their spelling there.
-# A lesson's own flags (lessons.csv) follow, as the flag and its value: --max-norm 0.5 as max-norm0.5.
+# script's defaults, so runs of other settings never share them, with their spelling there; a
+# lesson's own flags follow as the flag and its value: --max-norm 0.5 as max-norm0.5.
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 # What a bf16 precision becomes where the device has no native bfloat16: on a GPU, bf16-mixed
 # becomes 16-mixed unless sharded (Fabric's ModelParallelStrategy takes no 16-mixed); otherwise
 # 32-true (a CPU's float16 is emulated too; 16-true would lose Adam's small steps).
 FALLBACKS = {("cuda", "bf16-mixed", False): "16-mixed"}
+# The CUDA builds of torch and the oldest Linux driver each needs (NVIDIA's CUDA release notes: 13.x
+# from 580, 12.x from 525 with minor-version compatibility, 11.8 from 450): docs/gpu-setup.md.
+CUDA_DRIVERS = {"13": 580, "12": 525, "11": 450}
+CUDA_INDEX = {"13": "cu130", "12": "cu126", "11": "cu118"}
 
 
 def fail(message, code=2):
     """`<program>: error: <message>` on one line of stderr, then exit with `code`."""
     print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     raise SystemExit(code)
-
-
-def lesson_rows():
-    """lessons.csv: {script: its row}, as text (reading.lessons types it for the tools)."""
-    with open(ROOT / "lessons.csv") as f:
-        return {row["script"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
 
 
 def invoked(*flags):
@@ -65,8 +67,9 @@ def resume_command(flags=None):
 
 
 def on_signals(handler):
-    """The one place a handler for Ctrl-C and SIGTERM is installed: parse_args installs the starting
-    one; RunKeeper its own while the run trains, and one that notes a signal while the run ends."""
+    """The one place a handler for Ctrl-C and SIGTERM is installed: the lesson's parser installs the
+    starting one; RunKeeper its own while the run trains, one that notes a signal while the run ends,
+    and Python's own again as it hands back."""
     for signum in EXIT_ON_SIGNAL:
         signal.signal(signum, handler)
 
@@ -85,68 +88,52 @@ class Parser(argparse.ArgumentParser):
         fail(f"{message}; {invoked('--help')} lists the flags")
 
 
-def whole_number(minimum, maximum=None):
-    return number(int, minimum, maximum)
-
-
-def number(kind, least=None, most=None, above=None):
-    """argparse's type for a number of `kind` (int or float) within its range: one line otherwise."""
+def whole_number(least, most=None):
+    """argparse's type for a whole number from `least` (to `most`): one line otherwise."""
 
     def check(text):
         try:
-            value = kind(text)
+            value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be a {NUMBER_WORDS[kind]}, got {text!r}") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-        if least is not None and value < least:
+            raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+        if value < least:
             raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
         if most is not None and value > most:
             raise argparse.ArgumentTypeError(f"must be at most {most:,}, got {value:,}")
-        if above is not None and value <= above:
-            raise argparse.ArgumentTypeError(f"must be above {above}, got {value}")
         return value
 
     return check
 
 
-NUMBER_WORDS = {int: "whole number", float: "number"}
+def read_script(path):
+    """What a lesson's own text asks for, read before any of it runs, so that a copy of it under any
+    name asks the same: the precision of its Fabric(...) ("32-true" where it names none, None where it
+    is not written out), whether that strategy shards the model, torch.compile's mode (None where it
+    does not compile), and its --help (its docstring's first paragraph and the lines tagged with its
+    own number). The tools read a lesson's flags here too."""
+    said = {"precision": "32-true", "sharded": False, "compile_mode": None, "flags": [], "description": ""}
+    try:
+        text = Path(path).read_text()
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, ValueError):
+        return said | {"precision": None}
+    for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
+        name, keywords = ast.unparse(call.func), {k.arg: k.value for k in call.keywords}
+        if name.endswith("Fabric"):
+            said["precision"] = literal(keywords["precision"]) if "precision" in keywords else "32-true"
+            said["sharded"] = bool(re.search(r"ModelParallel|fsdp", ast.unparse(keywords.get("strategy", call))))
+        elif name == "torch.compile":
+            said["compile_mode"] = literal(keywords.get("mode")) or "default"
+        elif name.endswith("add_argument") and call.args:
+            said["flags"].append(([literal(a) for a in call.args], {k: ast.unparse(v) for k, v in keywords.items()}))
+    tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
+    own = [f"[{number}] {change}." for number, change in tags if number == max(n for n, _ in tags)]
+    said["description"] = " ".join([f"{Path(path).name}:", *own, (ast.get_docstring(tree) or "").split("\n\n")[0]])
+    return said
 
 
-def own_flags(row):
-    """The flags a lesson's row declares (lessons.csv's flags column), each (flag, its declaration):
-    --max-norm type=float default=1.0 above=0 help='...' is ("--max-norm", {"type": "float", ...})."""
-    declared = []
-    for word in shlex.split(row.get("flags") or ""):
-        if word.startswith("--"):
-            declared.append((word, {}))
-        else:
-            key, _, value = word.partition("=")
-            declared[-1][1][key] = value
-    return declared
-
-
-def dest(flag):
-    """A flag's name in the settings: --max-norm is max_norm."""
-    return flag[2:].replace("-", "_")
-
-
-def group_size(declared, settings):
-    """The processes that hold one replica of the model: the product of a lesson's own settings (or
-    their defaults) that divide the processes (10's --tensor-parallel), 1 for a lesson with none."""
-    divide = [(flag, d) for flag, d in declared if d.get("divides") == "processes"]
-    return math.prod(settings.get(dest(flag), flag_keywords(d)["default"]) for flag, d in divide)
-
-
-def flag_keywords(declaration):
-    """add_argument's keywords for a declared flag: its type and range checked, its default in its help."""
-    kind = {"int": int, "float": float}[declaration["type"]]
-    bounds = {key: kind(declaration[key]) for key in ("min", "above") if key in declaration}
-    check = number(kind, least=bounds.get("min"), above=bounds.get("above"))
-    default = kind(declaration["default"])
-    divides = "; it must divide the processes" if declaration.get("divides") == "processes" else ""
-    help = f"{declaration['help']} (default {default}{divides}; the lesson's own flag, lessons.csv)"
-    return dict(type=check, default=default, metavar="N" if kind is int else "X", help=help)
+def literal(node):
+    return node.value if isinstance(node, ast.Constant) else None
 
 
 def check_path(flag, path, folder=False):
@@ -170,84 +157,104 @@ def check_path(flag, path, folder=False):
         fail(f"{flag} {path} cannot be written: {why}")
 
 
-def add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, own):
-    """The shared flags; docs/flags-records-exit-codes.md says more of each."""
-    add, number = parser.add_argument, dict(type=whole_number(1), metavar="N")
-    add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
-    add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
-    add(
-        "--max-steps",
-        **number,
-        help=f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short",
-    )
-    add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
-    add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
-    if loader:
-        add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
-    add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
-    add("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
-    add("--results", default="results/runs.jsonl", metavar="FILE", help="run records, a JSON line a run, appended")
-    add("--save-model", metavar="PATH", help="where the finetuned model goes (default models/<run>.pt)")
-    add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's)")
-    add("--seed", type=whole_number(0, 2**63 - 1), default=123, metavar="N", help="default 123, the talk's")
-    add(
-        "--accelerator",
-        default="auto",
-        choices=["auto", "cuda", "cpu"],
-        help="auto: the GPU, else the CPU (--smoke: CPU)",
-    )
-    if devices is not None:
-        capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
-        add("--devices", **number, help=f"processes (GPUs) per machine (default {devices}{capped})")
-        add("--num-nodes", type=whole_number(1), default=1, metavar="N", help="machines")
-    for flag, keywords in own:
-        add(flag, **keywords)
-    add("--checkpoint-dir", metavar="DIR", help="checkpoints (default checkpoints/<run>/), seen by every machine")
-    add("--resume", action="store_true", help="continue the run in --checkpoint-dir from its last epoch")
+class LessonParser(Parser):
+    """A lesson's command line: the shared flags (docs/flags-records-exit-codes.md), then the lesson's own,
+    which the script adds with add_argument. A lesson's flag may set a setting the shared code reads, by its
+    dest: micro_batches (the loader hands out each batch in that many parts) or tensor_parallel (the
+    processes that hold one replica between them). parse_args() returns the settings and what they decide."""
 
+    own: list | None = None  # the lesson's own flags, as add_argument returns them (after the shared ones)
 
-def parse_args(
-    epochs, devices=None, batch_size=16, smoke_epochs=None, flags=(), loader=True, train_images=None, micro_batches=1
-):
-    """The run's settings: the flags, and what they decide (docs/run-keeping.md). `devices`: the Fabric scripts'
-    --devices default; `flags`: the script's own (flag, add_argument keywords); `train_images`: {kind: images}."""
-    on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
-    script, smoke_epochs = Path(sys.argv[0]).name, smoke_epochs or SMOKE_EPOCHS.get(epochs, 2)
-    row = lesson_rows().get(script, {})
-    brought = [(flag, flag_keywords(declaration)) for flag, declaration in own_flags(row)]
-    parser = Parser(description=f"{script}: {row['technique']}. Changes {row['change']}." if row else script)
-    add_flags(parser, epochs, devices, batch_size, smoke_epochs, loader, [*flags, *brought])
-    given = parser.parse_args()
-    kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
-    ignored = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
-    if ignored and kind:
-        parser.error(f"{' and '.join(ignored)}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
-    if given.smoke and given.vit:
-        parser.error("--vit: a smoke run trains its own small ViT; drop it")
-    own = {dest(flag): getattr(given, dest(flag)) for flag, _ in brought}
-    places = place_processes(given, parser, devices, own_flags(row))
-    sizes = settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, train_images, micro_batches)
-    defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
-    chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
-    named = [spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
-    named += [f"{flag[2:]}{own[dest(flag)]}" for flag, kw in brought if own[dest(flag)] != kw["default"]]
-    name = "-".join(part for part in [Path(script).stem, kind, *named] if part)
-    asked = row.get("precision") or "32-true"
-    args = given  # the flags as given, and what they decide:
-    vars(args).update(places, **sizes, script=script, kind=kind, vit=chosen["vit"], data_dir=given.data_dir or "data")
-    args.own = own  # the lesson's own settings: its row's flags, by name
-    precision = precision_that_runs(asked, places["accelerator"], row.get("strategy") or "")
-    vars(args).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=row.get("compiles") or None)
-    vars(args).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
-    vars(args).update(checkpoint_dir=given.checkpoint_dir or f"checkpoints/{name}", precision=precision)
-    args.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
-    check_places(args)
-    # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
-    # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
-    warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-    if args.precision != asked:
-        os.environ["LT_PRECISION"] = args.precision  # read by the lesson's Fabric(...)
-    return args
+    def __init__(self, epochs, devices=None, batch_size=16, loader=True, train_images=None):
+        on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
+        self.said, smoke_epochs = read_script(sys.argv[0]), SMOKE_EPOCHS.get(epochs, 2)
+        super().__init__(description=self.said["description"])
+        self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size, smoke_epochs=smoke_epochs)
+        self.train_images = train_images or {}
+        add, number = self.add_argument, dict(type=whole_number(1), metavar="N")
+        add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
+        add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
+        steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
+        add("--max-steps", **number, help=steps)
+        add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
+        add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
+        if loader:
+            add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
+        add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
+        add("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
+        add("--results", default="results/runs.jsonl", metavar="FILE", help="run records, a JSON line a run, appended")
+        add("--save-model", metavar="PATH", help="where the finetuned model goes (default models/<run>.pt)")
+        add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's)")
+        add("--seed", type=whole_number(0, 2**63 - 1), default=123, metavar="N", help="default 123, the talk's")
+        add(
+            "--accelerator",
+            default="auto",
+            choices=["auto", "cuda", "cpu"],
+            help="auto: the GPU, else the CPU (--smoke: CPU)",
+        )
+        if devices is not None:
+            capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
+            add("--devices", **number, help=f"processes (GPUs) per machine (default {devices}{capped})")
+            add("--num-nodes", type=whole_number(1), default=1, metavar="N", help="machines")
+        add("--checkpoint-dir", metavar="DIR", help="checkpoints (default checkpoints/<run>/), seen by every machine")
+        add("--resume", action="store_true", help="continue the run in --checkpoint-dir from its last epoch")
+        self.set_defaults(micro_batches=1, tensor_parallel=1)
+        self.own = []
+
+    def add_argument(self, *names, **keywords):  # type: ignore[override]
+        action = super().add_argument(*names, **keywords)
+        if self.own is not None:
+            self.own.append(action)
+        return action
+
+    def flag(self, dest, otherwise):
+        """How the command line spells the setting `dest`: the lesson's flag that sets it, or `otherwise`."""
+        return next((a.option_strings[0] for a in self.own or [] if a.dest == dest and a.option_strings), otherwise)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """The flags as given, and what they decide: docs/run-keeping.md."""
+        given = super().parse_args(args, namespace)
+        script, said = Path(sys.argv[0]).name, self.said
+        kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
+        ignored = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
+        if ignored and kind:
+            self.error(
+                f"{' and '.join(ignored)}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it"
+            )
+        if given.smoke and given.vit:
+            self.error("--vit: a smoke run trains its own small ViT; drop it")
+        places = place_processes(given, self)
+        sizes = settle_sizes(given, self, kind, places)
+        defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
+        chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
+        named = [
+            spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS.items() if chosen[key] != defaults[key]
+        ]
+        actions = [a for a in self.own or [] if a.dest != argparse.SUPPRESS]
+        flags = [(a.option_strings or [a.dest])[0] for a in actions]
+        values = [json.loads(json.dumps(getattr(given, a.dest), default=str)) for a in actions]
+        starts = [a.type(a.default) if isinstance(a.default, str) and callable(a.type) else a.default for a in actions]
+        named += [
+            f"{f.lstrip('-')}{'' if isinstance(v, bool) else v}" for f, v, d in zip(flags, values, starts) if v != d
+        ]
+        name = "-".join(part for part in [Path(script).stem, kind, *named] if part)
+        vars(given).update(
+            places, **sizes, script=script, kind=kind, vit=chosen["vit"], data_dir=given.data_dir or "data"
+        )
+        given.own = dict(zip(flags, values))  # the lesson's own settings, by their flags, defaults included
+        asked = said["precision"]
+        given.precision = precision_that_runs(asked, places["accelerator"], said["sharded"])
+        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=said["compile_mode"])
+        vars(given).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
+        given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
+        given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
+        check_places(given)
+        # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
+        # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
+        if given.precision != asked:
+            os.environ["LT_PRECISION"] = given.precision  # read by the lesson's Fabric(...)
+        return given
 
 
 def check_places(args):
@@ -261,17 +268,19 @@ def check_places(args):
         check_path("--data-dir", args.data_dir, folder=True)
 
 
-def place_processes(given, parser, devices, declared):
+def place_processes(given, parser):
     """The accelerator, the processes per machine and their data-parallel replicas (the processes over
-    the lesson's own settings that divide them), with the defaults the run name is measured against."""
+    tensor_parallel), with the defaults the run name is measured against."""
     import torch
 
+    devices = parser.shape["devices"]
     cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     accelerator = given.accelerator
     if accelerator == "auto" and cuda_count == 0 and not given.smoke:
         hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
         fail(
-            f"no CUDA GPU found. A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
+            unusable_gpu()
+            or f"no CUDA GPU found. A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
         )
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
@@ -280,51 +289,55 @@ def place_processes(given, parser, devices, declared):
     num_nodes = 1 if devices is None else given.num_nodes
     if accelerator == "cuda" and count > cuda_count:
         asked = f"--devices {count}" if devices else "--accelerator cuda"
-        fail(f"asked for {count} GPU(s) per machine ({asked}) but this machine has {cuda_count}.")
+        fail(unusable_gpu() or f"asked for {count} GPU(s) per machine ({asked}) but this machine has {cuda_count}.")
     cores = os.cpu_count() or 1
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
     check_launch(count, num_nodes, takes_devices=devices is not None)
-    for flag, declaration in declared:
-        value = getattr(given, dest(flag))
-        if declaration.get("divides") == "processes" and (count * num_nodes) % value:
-            parser.error(f"{flag} {value} does not divide the {count * num_nodes} processes")
-    group = group_size(declared, vars(given))
-    places = dict(accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=count * num_nodes)
-    places.update(data_parallel=count * num_nodes // group)
+    world, group = count * num_nodes, given.tensor_parallel
+    if group < 1 or world % group:
+        parser.error(
+            f"{parser.flag('tensor_parallel', 'tensor_parallel')} {group} does not divide the {world} processes"
+        )
+    places = dict(
+        accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=world, data_parallel=world // group
+    )
     return places | {"defaults": {"world_size": default_devices}}
 
 
-def settle_sizes(given, parser, kind, places, epochs, smoke_epochs, batch_size, train_images, micro_batches):
-    default_epochs = 1 if given.synthetic else smoke_epochs if given.smoke else epochs
+def settle_sizes(given, parser, kind, places):
+    shape, micro = parser.shape, given.micro_batches
+    default_epochs = 1 if given.synthetic else shape["smoke_epochs"] if given.smoke else shape["epochs"]
     max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
     chosen_epochs = given.epochs or default_epochs
     if given.synthetic and max_steps <= WARMUP_STEPS and chosen_epochs == 1:
         parser.error(f"--synthetic times the steps after {WARMUP_STEPS}: give --max-steps {WARMUP_STEPS + 1} or more")
     replicas = places["data_parallel"]
-    default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else batch_size
+    default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else shape["batch_size"]
     batch = given.batch_size or default_batch
-    if batch % micro_batches:
+    if micro < 1 or batch % micro:
+        flag = parser.flag("micro_batches", "micro-batches")
         parser.error(
-            f"--batch-size {batch}: it is trained on in {micro_batches} micro-batches, so it must divide by {micro_batches}"
+            f"{flag} {micro}: the batch of {batch} (--batch-size) is trained on in {micro} micro-batches, so it must divide it"
         )
     note = ""
     if given.smoke and SMOKE_GLOBAL_BATCH % replicas and batch == default_batch:
         note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16: 16 does not divide by {replicas}."
-    images = None if given.synthetic else (train_images or {}).get(kind or "full")
+    images = None if given.synthetic else parser.train_images.get(kind or "full")
     if images is not None and batch * replicas > images:
         parser.error(
             f"--batch-size {batch}: the {images:,} training images of a {kind or 'full'} run make no batch of {batch} "
             f"for each of {replicas} data-parallel process(es); the largest that works is {images // replicas}"
         )
-    sizes = dict(epochs=chosen_epochs, batch_size=batch, micro_batches=micro_batches, max_steps=max_steps)
-    sizes.update(whole=given.synthetic or max_steps is None, batch_note=note)
+    sizes = dict(
+        epochs=chosen_epochs, batch_size=batch, max_steps=max_steps, whole=given.synthetic or max_steps is None
+    )
     defaults = {
         "epochs": default_epochs,
         "batch_size": default_batch,
         "max_steps": given.synthetic and SYNTHETIC_STEPS or None,
     }
-    return sizes | {"defaults": defaults}
+    return sizes | {"batch_note": note, "defaults": defaults}
 
 
 def check_launch(devices, num_nodes, takes_devices):
@@ -357,6 +370,38 @@ def check_launch(devices, num_nodes, takes_devices):
         raise SystemExit(2)
 
 
+def unusable_gpu():
+    """Where nvidia-smi lists a GPU that this torch cannot use (a CPU build, or a CUDA build newer than
+    the driver), the line that says so and names the build that fits; else None."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")  # GPUs hidden on purpose: not the build's fault
+    smi = shutil.which("nvidia-smi")
+    if hidden or not smi:
+        return None
+    query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
+    try:
+        gpu, driver = (
+            subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()[0].split(", ")
+        )
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+        return None  # no GPU listed, or no answer: nothing more to say than that torch sees none
+    import torch
+
+    cuda = torch.version.cuda
+    fits = [major for major, least in CUDA_DRIVERS.items() if int(driver.split(".")[0]) >= least]
+    install = (
+        f"pip install torch torchvision --index-url https://download.pytorch.org/whl/{CUDA_INDEX[fits[0]]}"
+        if fits
+        else ""
+    )
+    cure = f"install a CUDA {fits[0]} build: {install}" if fits else "update the NVIDIA driver"
+    if fits and cuda and cuda.split(".")[0] == fits[0]:
+        cure = (
+            "the build fits the driver, so check that the driver works (nvidia-smi -q) and that nothing hides the GPU"
+        )
+    build = f"CUDA {cuda} build" if cuda else "CPU build"
+    return f"nvidia-smi sees {gpu} (driver {driver}), but this torch {torch.__version__} ({build}) cannot use it: {cure} (docs/gpu-setup.md)."
+
+
 def cpu_model_and_flags():
     try:
         info = Path("/proc/cpuinfo").read_text().splitlines()
@@ -379,10 +424,10 @@ def native_bf16(device_type):
     return not capped and bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
 
 
-def precision_that_runs(asked, accelerator, strategy):
-    if not asked.startswith("bf16") or native_bf16(accelerator):
+def precision_that_runs(asked, accelerator, sharded):
+    if not (asked or "").startswith("bf16") or native_bf16(accelerator):
         return asked
-    return FALLBACKS.get((accelerator, asked, "fsdp" in strategy), "32-true")
+    return FALLBACKS.get((accelerator, asked, sharded), "32-true")
 
 
 def device_name(accelerator):

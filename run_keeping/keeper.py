@@ -3,7 +3,6 @@ and --resume, Ctrl-C and SIGTERM, one line for a known error, the timing and the
 it has on a run is listed in docs/run-keeping.md."""
 
 import fcntl
-import io
 import json
 import os
 import re
@@ -29,7 +28,7 @@ from run_keeping.record import write_whole
 PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
-SETTINGS = ("batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
+SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
 # A run is busy when its computing thread spent more than this share of its ready time waiting for
 # a core. On an idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7% and
 # 07 9.0%; beside two programs spinning on the cores: 04 49%, 07 50%, 2-4 times slower.
@@ -62,7 +61,7 @@ class RunKeeper:
         self.resuming = config.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
         restarted = f"{restart}: continuing the run in {self.folder}." if restart else None
-        self.say(fallback_line(config), no_cuda_graphs_line(config), restarted)
+        self.say(fallback_line(config), restarted)
 
     def __enter__(self):
         return self
@@ -275,7 +274,7 @@ class RunKeeper:
             else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
                 plain = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
                 plain |= {"scheduler": self.scheduler.state_dict()} if self.scheduler else {}
-                write_whole(partial, torch_bytes(plain | {"progress": progress, "rng": state["rng"]}))
+                write_whole(partial, plain | {"progress": progress, "rng": state["rng"]})
             if self.rank == 0:
                 os.replace(partial, final)
                 c, env = self.config, os.environ  # a requeued job, a torchrun restart: the same launch ids
@@ -362,7 +361,7 @@ class RunKeeper:
                     kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {invoked(*started_flags())}"
                 else:
                     kept = f"the checkpoint of the finished training is kept in {self.folder}: finish with: {resume_command()}"
-                write_atomically(c.save_model, torch_bytes(state), then=kept)
+                write_atomically(c.save_model, state, then=kept)
                 compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
                 record = build(c, self.fabric, compiled, measured)
                 append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
@@ -394,18 +393,17 @@ def explain(error, config, rank, world_size, last_checkpoint):
     compiler (2) or failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
     reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
-        inner = error
-        while getattr(inner, "inner_exception", None) or inner.__cause__:  # Dynamo wraps the backend's
-            inner = getattr(inner, "inner_exception", None) or inner.__cause__
-        without = "run without compiling: python 01_pytorch-vit.py is 02 without it, and 09 compiles on a CPU only "
-        without += "with --compile-on-cpu."
-        if re.search(NO_COMPILER, f"{type(inner).__name__} {inner} {error}", re.I):
-            needs = "On a CPU it needs a working C++ compiler: install g++ (or point CXX at one)"
-            if config.accelerator == "cuda":
-                needs = "On a GPU it needs Triton (torch's CUDA wheels bring it) and a C compiler to build Triton's "
-                needs += "launcher: install gcc (or point CC at one)"
-            return f"error: torch.compile could not compile the model ({reason}). {needs}; or {without}", 2
-        return f"error: torch.compile failed ({type(inner).__name__}: {first_line(inner)}); {without}", 1
+        while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
+            error = getattr(error, "inner_exception", None) or error.__cause__
+        without = "or run the script without its torch.compile line"
+        if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
+            needs = (
+                "Triton and a C compiler (install gcc)"
+                if config.accelerator == "cuda"
+                else "a C++ compiler (install g++)"
+            )
+            return f"error: torch.compile could not compile the model ({reason}): here it needs {needs}, {without}.", 2
+        return f"error: torch.compile failed ({type(error).__name__}: {first_line(error)}); {without}.", 1
     if isinstance(error, torch.OutOfMemoryError):
         oom = f"the GPU ran out of memory at --batch-size {config.batch_size} ({first_line(reason, 160)})"
         return f"error: {oom}: try a smaller --batch-size.", 1
@@ -469,12 +467,6 @@ def remove(path):
         Path(path).unlink(missing_ok=True)
 
 
-def torch_bytes(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
-
-
 def restart_reason(latest):
     """Why this process is the run that wrote `latest`, started again by its launcher, or None: a
     user at a terminal is not let into an unfinished run without --resume."""
@@ -529,16 +521,6 @@ def kind_line(config, init):
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
     run = f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}."
     return f"{run} Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
-
-
-def no_cuda_graphs_line(config):
-    if config.compile_mode == "reduce-overhead" and config.accelerator != "cuda":
-        what = 'torch.compile(mode="reduce-overhead") compiles the model and runs it without them (on a GPU it'
-        return (
-            f"This {device_name(config.accelerator)} has no CUDA graphs: {what} records each step's kernels once "
-            "and replays them)"
-        )
-    return None
 
 
 def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited, checkpoint_s):

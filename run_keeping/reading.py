@@ -3,33 +3,71 @@ brings an older record up to this version), the record that saved a model file, 
 itself, each with one line for what is wrong with it.
 """
 
+import csv
+import functools
 import json
+import shlex
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
-from run_keeping.config import fail, lesson_rows, own_flags
+from run_keeping.config import fail, read_script
 from run_keeping.record import VERSION, why_unloadable
+
+ROOT = Path(__file__).resolve().parent.parent
 
 WHOLE_COLUMNS = ("budget", "epochs", "devices", "min_devices")  # of lessons.csv; the other columns
 FIGURE_COLUMNS = ("time_min", "memory_gb", "test_acc_pct")  # and sequel_*: numbers; but for the lists, the others
-LIST_COLUMNS = ("memory_chain",)  # are text
+LIST_COLUMNS = ("memory_chain", "measured_with")  # are text
+
+
+CHOICES = {"memory_chain": {"talk", "sequel"}, "gpu_check": {"headline", "fast", "sequel"}}
+
+
+def lesson_rows():
+    """lessons.csv: [(its line number, its row)], as text; a row without the header's fields raises
+    ValueError naming it."""
+    with open(ROOT / "lessons.csv") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip() and not line.startswith("#")]
+    rows = csv.DictReader(line for _, line in lines)
+    found = [(number, row) for (number, _), row in zip(lines[1:], rows)]
+    for number, row in found:
+        if None in row or None in row.values():  # csv's marks of a field too many, or too few
+            more = "more" if None in row else "fewer"
+            raise ValueError(f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {len(rows.fieldnames or [])}")
+    return found
 
 
 def lessons():
-    """{script: its row of lessons.csv}, each column typed (None where empty)."""
-    return {
-        script: {column: typed(column, value) for column, value in row.items()} for script, row in lesson_rows().items()
-    }
+    """{script: its row of lessons.csv}, each column typed (None where empty). A value of the wrong
+    kind raises ValueError naming the row, the column and what it takes."""
+    rows = {}
+    for number, row in lesson_rows():
+        try:
+            rows[row["script"]] = {column: typed(column, value) for column, value in row.items()}
+            given = {c: rows[row["script"]][c] for c in CHOICES}
+            wrong = [c for c, allowed in CHOICES.items() if set(given[c] if isinstance(given[c], list) else [given[c]]) - allowed - {None}]
+            if wrong:
+                raise ValueError(f"{wrong[0]} takes {' or '.join(sorted(CHOICES[wrong[0]]))}")
+            if not (ROOT / row["script"]).is_file() or row["against"] and not list(ROOT.glob(f"{row['against']}_*.py")):
+                raise ValueError(f"no script {row['script']} or {row['against']}_*.py in {ROOT}")
+        except ValueError as err:
+            raise ValueError(f"lessons.csv line {number} ({row['script']}): {err}") from None
+    return rows
 
 
 def typed(column, value):
-    if column in LIST_COLUMNS:
-        return value.split()
-    if not value:
-        return None
-    if column in WHOLE_COLUMNS:
-        return int(value)
-    return float(value) if column.removeprefix("sequel_") in FIGURE_COLUMNS else value
+    """A column's value as the tools read it; ValueError saying what it takes."""
+    try:
+        if column in LIST_COLUMNS:
+            return shlex.split(value)
+        if not value:
+            return None
+        if column in WHOLE_COLUMNS:
+            return int(value)
+        return float(value) if column.removeprefix("sequel_") in FIGURE_COLUMNS else value
+    except ValueError:
+        kind = "a whole number" if column in WHOLE_COLUMNS else "a number" if column not in LIST_COLUMNS else "flags"
+        raise ValueError(f"{column} is {value!r}, not {kind}") from None
 
 
 # The record's fields and types: record.build makes them, in this order; docs/flags-records-exit-codes.md
@@ -43,8 +81,10 @@ class Record(TypedDict):
     device_name: str
     devices: int
     world_size: int
-    settings: dict[str, int | float]  # the lesson's own: its row's flags (lessons.csv), by name
-    precision: str
+    data_parallel: int  # the processes over those that hold one replica between them (10's --tensor-parallel)
+    settings: dict[str, Any]  # the lesson's own: its flags, by their names, defaults included
+    precision: str  # as it ran
+    precision_asked: str  # what the script's Fabric(...) asks for
     compile_mode: str | None
     model: str
     batch_size: int
@@ -80,9 +120,10 @@ def whole(record):
     return record["max_steps"] is None or "synthetic" in record["kind"]
 
 
-def precision_asked(record):
-    """The precision the run's lesson asks for (lessons.csv); an older record says it itself."""
-    return record.get("precision_asked") or (lessons().get(record["script"]) or {}).get("precision") or "32-true"
+@functools.cache
+def said_of(script):
+    """What a project lesson's script says of itself (config.read_script), for a record before version 5."""
+    return read_script(ROOT / str(script))
 
 
 def upgrade(record) -> dict[str, Any]:
@@ -97,7 +138,13 @@ def upgrade(record) -> dict[str, Any]:
         old["compile_mode"] = "default" if old.get("compiled") else None
     if "settings" not in old:  # to version 3, 10's --tensor-parallel was a field of every record
         tp = old.pop("tensor_parallel_size", None)
-        old["settings"] = {"tensor_parallel": tp} if own_flags(lessons().get(old.get("script"), {})) else {}
+        declared = [names[0] for names, _ in said_of(old.get("script"))["flags"]]
+        old["settings"] = {"tensor_parallel": tp} if "--tensor-parallel" in declared else {}
+    if (old.get("record_version") or 0) < 5:  # to version 4, settings were by dest, and these not kept
+        old["settings"] = {"--" + key.replace("_", "-"): value for key, value in (old["settings"] or {}).items()}
+        tp = old["settings"].get("--tensor-parallel") or 1
+        old.setdefault("data_parallel", (old.get("world_size") or 1) // tp)
+        old.setdefault("precision_asked", said_of(old.get("script"))["precision"] or old.get("precision"))
     return {**dict.fromkeys(REQUIRED), **old, "record_version": VERSION}
 
 

@@ -7,6 +7,7 @@ tool through reading.read_runs. A failed write is one line and exit 1; files are
 
 import fcntl
 import importlib.metadata
+import io
 import json
 import os
 import re
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from run_keeping.config import device_name, fail
 
-VERSION = 4  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size for 10's settings
+VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest
 
 
 def build(config, fabric, compiled, measured):
@@ -23,11 +24,14 @@ def build(config, fabric, compiled, measured):
     what the keeper measured (train_time_s to cpu_s): reading.Record's fields, in its order."""
     import torch
 
-    c = config
+    c, ran = config, fabric.strategy.precision.precision if fabric else "32-true"
     record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
     record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
-    record |= {"settings": c.own, "precision": fabric.strategy.precision.precision if fabric else "32-true"}  # ran
-    record |= {"compile_mode": (c.compile_mode or "default") if compiled else None}
+    record |= {"data_parallel": c.data_parallel, "settings": c.own, "precision": ran}
+    record |= {
+        "precision_asked": c.precision_asked or ran,
+        "compile_mode": (c.compile_mode or "default") if compiled else None,
+    }
     record |= {"model": "smoke ViT" if c.smoke else c.vit, "batch_size": c.batch_size, "micro_batches": c.micro_batches}
     record |= {"seed": c.seed, "max_steps": c.max_steps, **measured, "model_file": str(c.save_model)}
     record |= {"torch": torch.__version__, "lightning": importlib.metadata.version("lightning")}
@@ -63,7 +67,14 @@ def append_record(path, record, then=""):
 
 
 def write_whole(path, data):
-    """`data` to `path` through os.write until all of it is written, then to the disk (fsync)."""
+    """`data` (bytes, or what torch.save writes) to `path` through os.write until all of it is written,
+    then to the disk (fsync)."""
+    if not isinstance(data, bytes):
+        import torch
+
+        buffer = io.BytesIO()
+        torch.save(data, buffer)
+        data = buffer.getvalue()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         view = memoryview(data)
@@ -75,7 +86,7 @@ def write_whole(path, data):
 
 
 def write_atomically(path, data, then="nothing else was changed"):
-    """`data` to `path`, written beside it and renamed into place. A failed write: one line, exit 1,
+    """`data` (as write_whole takes it) to `path`, written beside it and renamed into place. A failed write: one line, exit 1,
     ending in `then` (what was kept, how to go on)."""
     path = Path(path)
     partial = path.with_name(path.name + ".tmp")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 # a test starts sees no GPU (CUDA reads this when first used). The GPU's paths are rehearsed with
 # torch.cuda's answers stood in for (tests/test_cuda_paths.py, tests/test_gpu_rehearsal.py).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+from run_keeping.config import read_script
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)
 
@@ -47,6 +49,8 @@ def native_bf16():
     return native("cpu")
 
 
+# What each lesson's own text asks for (its precision, torch.compile mode, flags), as its run reads it
+SAID = {script: read_script(ROOT / script) for script in lessons()}
 # The lessons whose smoke runs the suite shares: the first and each one that is a diff against
 # another (lessons.csv); 09, a recipe of its own, has its tests in test_fast_recipe.py.
 SCRIPTS = [script for script, row in lessons().items() if row["against"] or script.startswith("00")]
@@ -92,6 +96,26 @@ def pytest_unconfigure(config):
     if _warm:
         _warm[0].stop()
         shutil.rmtree(Path(_warm[0].address).parent, ignore_errors=True)
+
+
+def parse_as(script, *flags):
+    """The settings `script`'s own command line makes of `flags`, in this process: its parser built as
+    the script builds it (its lines from `parser = lesson_parser(` to `parser.parse_args()`, its own
+    flags included) and parsed with sys.argv as `python SCRIPT FLAGS` sets it (put back after the test);
+    the signal handlers the parser installs are put back; a refusal is its SystemExit, as in the script."""
+    import local_utilities as lu
+    text = (ROOT / script).read_text()
+    start = text.rindex("\n", 0, text.index("parser = lesson_parser(")) + 1
+    end = text.rindex("\n", 0, text.index("parser.parse_args()", start)) + 1
+    made: dict = {"lesson_parser": lu.lesson_parser}
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    sys.argv = [str(ROOT / script), *flags]  # as the run sees it; run_in_tmp puts it back after the test
+    try:
+        exec(textwrap.dedent(text[start:end]), made)
+        return made["parser"].parse_args()
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
 
 
 class Ran(subprocess.CompletedProcess):
@@ -252,8 +276,9 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def run_in_tmp(tmp_path, monkeypatch):
     """Every test runs in its own empty folder: nothing lands in the checkout, and nothing lying
-    in it (records, checkpoints) changes what a test sees."""
+    in it (records, checkpoints) changes what a test sees; sys.argv as it was, after."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
 
 
 @contextlib.contextmanager

@@ -372,10 +372,11 @@ def test_the_bare_loop_steps_with_the_scripts_optimizer_and_kernel():
 def test_tensor_parallel_script_is_known_with_its_layout():
     args = benchmark.parse_args(["--scripts", "10"])
     assert args.runs == [("10_fabric-vit-tensor-parallel.py", 16)]
-    # a record before version 4 held 10's --tensor-parallel as tensor_parallel_size: read as 10's own setting
+    # a record before version 4 held 10's --tensor-parallel as tensor_parallel_size: read as 10's own flag
     record = upgrade({"script": "10_fabric-vit-tensor-parallel.py", "precision": "bf16-mixed", "world_size": 2,
                       "tensor_parallel_size": 2, "batch_size": 16})
-    assert record["settings"] == {"tensor_parallel": 2} and "tensor_parallel_size" not in record
+    assert record["settings"] == {"--tensor-parallel": 2} and "tensor_parallel_size" not in record
+    assert (record["data_parallel"], record["precision_asked"]) == (1, "bf16-mixed")  # from the script itself
     assert throughput.bare_spec(record) == {
         "precision": "bf16-mixed", "strategy": "tensor-parallel+fsdp2", "processes": 2, "tensor_parallel": 2,
         "batch": 16, "micro_batches": 1, "checkpointing": False, "optimizer": "Adam", "compile_mode": None}

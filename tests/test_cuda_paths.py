@@ -3,13 +3,13 @@ torch.cuda's answers are replaced (how many GPUs, their name, their memory figur
 random state), never the code that asks. (What needs a real GPU: gpu_check.sh.)"""
 import json
 import signal
-import sys
 
 import pytest
 import torch
 
 import local_utilities as lu
 from run_keeping.reading import lessons
+from conftest import parse_as
 from run_keeping.keeper import RunKeeper
 
 
@@ -25,9 +25,8 @@ def gpus(monkeypatch):
 
 @pytest.fixture
 def parse(monkeypatch):
-    def parse_args(*flags, script="05_fabric-vit-mixed-ddp.py", devices=4):
-        monkeypatch.setattr(sys, "argv", [script, *flags])
-        return lu.parse_args(epochs=3, devices=devices)
+    def parse_args(*flags, script="05_fabric-vit-mixed-ddp.py"):
+        return parse_as(script, *flags)
     return parse_args
 
 
@@ -42,16 +41,15 @@ def test_on_a_gpu_machine_each_lesson_runs_where_it_says(gpus, parse, capsys, re
     enough, or says in one line that there are not (exit 2); --smoke --accelerator cuda likewise."""
     gpus(count)
     row = TRAINING[script]
-    devices = row["devices"] if row["devices"] > 1 else None  # as the script passes it to parse_args
-    smoke = parse("--smoke", script=script, devices=devices)
+    smoke = parse("--smoke", script=script)
     assert (smoke.accelerator, smoke.devices) == ("cpu", min(row["devices"], 2))
     for flags in ([], ["--smoke", "--accelerator", "cuda"]):
         if row["devices"] <= count:
-            args = parse(*flags, script=script, devices=devices)
+            args = parse(*flags, script=script)
             assert (args.accelerator, args.devices) == ("cuda", row["devices"])
         else:
             with pytest.raises(SystemExit) as exit_info:
-                parse(*flags, script=script, devices=devices)
+                parse(*flags, script=script)
             err = capsys.readouterr().err.strip()
             assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
             assert f"asked for {row['devices']} GPU(s) per machine (--devices {row['devices']}) but this machine has {count}" in err
@@ -119,7 +117,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     never one per step; the peak reset once, after the untimed warm-up; the record's memory
     and device name from torch.cuda."""
     cuda = CudaStandIn(monkeypatch)
-    args = parse("--smoke", "--epochs", "2", script="01_pytorch-vit.py", devices=None)
+    args = parse("--smoke", "--epochs", "2", script="01_pytorch-vit.py")
     args.accelerator = "cuda"  # as parse_args decides on a GPU machine (the test above)
     steps = 10
 

@@ -128,10 +128,11 @@ def test_on_a_gpu_synthetic_batches_come_from_its_own_memory():
     torch's meta device, which takes the place of a GPU's memory."""
     args = loader_args("unused", synthetic=True, max_steps=5, batch_size=4)
     train, val, _ = lu.synthetic_datasets(args, torch.device("meta"))
-    assert len(train) == 20 and train.images.shape == (4, 3, 224, 224) and train.images.device.type == "meta"
+    held = train.dataset.tensors[0]
+    assert len(train) == 20 and held.shape == (4, 3, 224, 224) and held.device.type == "meta"
     assert train[17][0].device.type == "meta" and len(val) == 1
     on_cpu, _, _ = lu.synthetic_datasets(args)
-    assert on_cpu.tensors[0].shape == (20, 3, 224, 224) and on_cpu.tensors[0].device.type == "cpu"
+    assert on_cpu.dataset.tensors[0].shape == (20, 3, 224, 224) and on_cpu.dataset.tensors[0].device.type == "cpu"
 
 
 def test_micro_batches_split_each_batch():

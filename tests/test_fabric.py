@@ -9,7 +9,7 @@ import torch
 
 import local_utilities as lu
 import parallelize
-from run_keeping.config import fallback_line, precision_that_runs
+from run_keeping.config import fallback_line, precision_that_runs, read_script
 from conftest import native_bf16, ROOT, free_port, read_records
 
 
@@ -168,18 +168,22 @@ def test_fsdp2_in_two_processes_gathers_whole_bf16_parameters(tmp_path):
         assert line.endswith("[128]")  # the process's own half of that 256-row weight
 
 
-@pytest.mark.parametrize("strategy, expected", [("single-device", "16-mixed"), ("ddp", "16-mixed"), ("fsdp2", "32-true")])
-def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, strategy, expected):
+@pytest.mark.parametrize("script, expected", [("04_fabric-vit-mixed-precision.py", "16-mixed"),
+                                              ("05_fabric-vit-mixed-ddp.py", "16-mixed"), ("06_fabric-vit-mixed-fsdp.py", "32-true")])
+def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, script, expected):
     """The decision, its one line, and Fabric running it: the lesson's Fabric(precision="bf16-mixed")
     made with LT_PRECISION set, as parse_args sets it, runs the fallback. Only the GPU's answers are
-    stood in for (no GPU here). 04-05 get 16-mixed; 06-07 (FSDP2, which refuses 16-mixed) 32-true."""
+    stood in for (no GPU here). 04-05 get 16-mixed; 06-07 (FSDP2, which refuses 16-mixed) 32-true, as
+    their own Fabric(...) lines say (read_script)."""
     import argparse
 
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
-    assert precision_that_runs("bf16-mixed", "cuda", strategy) == expected
+    said = read_script(ROOT / script)
+    strategy = said["sharded"]
+    assert said["precision"] == "bf16-mixed" and precision_that_runs("bf16-mixed", "cuda", strategy) == expected
     assert precision_that_runs("bf16-true", "cuda", strategy) == "32-true"
     line = fallback_line(argparse.Namespace(precision=expected, precision_asked="bf16-mixed", accelerator="cuda"))
     assert line.startswith(f"This GPU (Tesla V100-SXM2-16GB) has no native bfloat16: running {expected} instead of "

@@ -12,7 +12,7 @@ import torch
 
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
-from conftest import ROOT, SCRIPTS
+from conftest import ROOT, SAID, SCRIPTS
 from run_keeping.config import FALLBACKS
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records
@@ -54,8 +54,8 @@ def every_kind_of_record(smoke_runs):
     from them, the precision each asks for as a GPU with bfloat16 runs it (a CPU without it ran
     32-true) and the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
     real = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
-    asked = [dict(r, precision=lessons()[r["script"]]["precision"]) for r in real]
-    sharded = lambda r: "fsdp" in lessons()[r["script"]]["strategy"]  # noqa: E731
+    asked = [dict(r, precision=r["precision_asked"]) for r in real]
+    sharded = lambda r: SAID[r["script"]]["sharded"]  # noqa: E731
     older = [dict(r, precision=FALLBACKS.get(("cuda", r["precision"], sharded(r)), "32-true")) for r in asked
              if r["precision"].startswith("bf16")]
     records = real + asked + older
@@ -177,12 +177,12 @@ def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys)
             assert answer["images_per_s"] > 0 and answer["compile_mode"] == spec["compile_mode"], spec
 
 
-COMPILED = {script: row["compiles"] for script, row in lessons().items() if row["compiles"]}  # lessons.csv
+COMPILED = {script: said["compile_mode"] for script, said in SAID.items() if said["compile_mode"]}  # as its script says
 
 
 @pytest.mark.parametrize("script", COMPILED)
 def test_a_bare_loop_compiles_in_its_lessons_mode(script, monkeypatch, capsys):
-    """A compiled lesson's record (its compile_mode is lessons.csv's `compiles`, as the record
+    """A compiled lesson's record (its compile_mode is its script's torch.compile mode, as the record
     builds it): its bare loop calls torch.compile in that mode, 16's "reduce-overhead" (CUDA
     graphs on a GPU) included. torch.compile is watched, not run: what it is asked is the test."""
     import argparse
@@ -192,9 +192,8 @@ def test_a_bare_loop_compiles_in_its_lessons_mode(script, monkeypatch, capsys):
         asked.append(options.get("mode"))
         return model
     monkeypatch.setattr(torch, "compile", watched)
-    row = lessons()[script]
-    record = {"script": script, "precision": "32-true", "world_size": 1, "settings": {}, "batch_size": 4,
-              "micro_batches": 1, "compile_mode": row["compiles"]}
+    record = {"script": script, "precision": "32-true", "world_size": 1, "data_parallel": 1, "settings": {},
+              "batch_size": 4, "micro_batches": 1, "compile_mode": COMPILED[script]}
     spec = throughput.bare_spec(record)
     throughput.bare_loop(argparse.Namespace(bare_loop=json.dumps(spec), max_steps=4, smoke=True, accelerator="cpu"))
     assert asked == [COMPILED[script]], asked

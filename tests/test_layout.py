@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, parse_as
 
 sys.path.insert(0, str(ROOT / "tools"))
 import figures  # noqa: E402  (the README's blocks: tools/figures.py)
@@ -195,13 +195,7 @@ def test_run_keeping_is_a_few_modules_one_concern_each():
 def test_the_settings_are_made_once_and_never_written():
     """parse_args makes the run's settings; nothing else in a script, the helper or run_keeping
     writes to them afterwards, and nothing finds a script's flags by scanning its module (__main__)."""
-    import local_utilities as lu
-    argv = sys.argv
-    try:
-        sys.argv = ["04_fabric-vit-mixed-precision.py", "--smoke"]
-        settings = lu.parse_args(epochs=3)
-    finally:
-        sys.argv = argv
+    settings = parse_as("04_fabric-vit-mixed-precision.py", "--smoke")
     assert settings.epochs == 2 and settings.precision_asked == "bf16-mixed"
     for path in [*(p for p in LESSONS if not p.name.startswith("08")), *SHARED]:  # 08 has its own flags
         tree = ast.parse(path.read_text())

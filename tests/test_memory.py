@@ -21,7 +21,7 @@ CHAIN = {
 
 
 def record(number, vit, batch=16, **over):
-    values = dict(script=runs.SCRIPTS[number], model=vit, settings={}, world_size=1, batch_size=batch,
+    values = dict(script=runs.SCRIPTS[number], model=vit, settings={}, world_size=1, data_parallel=None, batch_size=batch,
                   max_steps=5, **CHAIN.get(number, CHAIN["04"]))
     values.update(over)
     return values

@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from benchmarks import memory, throughput
-from conftest import ROOT, YARDSTICK, native_bf16, run_script, script_env
+from conftest import ROOT, SAID, YARDSTICK, native_bf16, parse_as, run_script, script_env
 from run_keeping.reading import lessons
-from run_keeping.reading import precision_asked, upgrade
+from run_keeping.reading import upgrade
 
 # bfloat16 matrix products emulated run about 100 times slower than float32 (a 512x512 product:
 # 1.2 against 132.8 GFLOP/s on an AVX2-only AMD EPYC; 1.4 against 52 on an AVX512-BF16 one with
@@ -63,7 +63,7 @@ def test_on_a_cpu_without_bfloat16_04_runs_float32_says_why_and_keeps_03s_time(s
     assert len(said) == 1 and said[0].startswith("This CPU ") and "oneDNN capped at AVX2" in said[0]
     assert "running 32-true instead of bf16-mixed" in said[0]
     record = json.loads((tmp_path / "results" / "runs.jsonl").read_text().splitlines()[-1])
-    assert record["precision"] == "32-true" and precision_asked(record) == "bf16-mixed"
+    assert record["precision"] == "32-true" and record["precision_asked"] == "bf16-mixed"
     # start to record, in CPU seconds: the suite runs beside it, and wall time would measure that;
     # 04 alone takes 0.96 times 03's, so even the drift between two runs (EMULATION_GUARD) keeps it
     # under twice
@@ -86,10 +86,10 @@ EMULATION_GUARD = 4.0
 # FSDP2 on 2 CPU processes takes over 2x 03's time whatever the precision: with native bfloat16
 # here 06's smoke run took 3.1x 03's (its two processes start one after the other, and FSDP2
 # gathers each block over gloo twice a step); their bound is the float32 run itself. The lessons
-# that ask for a bf16 precision, from lessons.csv; those that neither shard nor compile (a compile's
+# that ask for a bf16 precision, as their scripts say; those that neither shard nor compile (a compile's
 # CPU seconds are its own) are held to the guard.
-BF16_LESSONS = [s for s, row in lessons().items() if (row["precision"] or "").startswith("bf16")]
-WITHIN_TWICE_03 = [s for s in BF16_LESSONS if "fsdp" not in lessons()[s]["strategy"] and not lessons()[s]["compiles"]]
+BF16_LESSONS = [s for s in lessons() if (SAID[s]["precision"] or "").startswith("bf16")]
+WITHIN_TWICE_03 = [s for s in BF16_LESSONS if not SAID[s]["sharded"] and not SAID[s]["compile_mode"]]
 
 
 @pytest.mark.slow
@@ -105,7 +105,7 @@ def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs,
         pytest.skip("this CPU has native bfloat16, so its bf16 runs are its own; the 04 test above rehearses "
                     "a CPU without (ONEDNN_MAX_CPU_ISA=AVX2)")
     record = smoke_runs(script).record
-    assert record["precision"] == "32-true" and precision_asked(record).startswith("bf16")
+    assert record["precision"] == "32-true" and record["precision_asked"].startswith("bf16")
     if script in WITHIN_TWICE_03:  # start to record, in CPU seconds: whatever else runs beside it
         assert record["cpu_s"] <= EMULATION_GUARD * smoke_runs(YARDSTICK).record["cpu_s"]
 
@@ -124,8 +124,7 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
     from run_keeping.config import fallback_line
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.delenv("LT_PRECISION", raising=False)  # and put back as it was afterwards
-    monkeypatch.setattr(sys, "argv", [script, "--smoke"])
-    settings = lu.parse_args(epochs=3)
+    settings = parse_as(script, "--smoke")
     asked = settings.precision_asked
     assert (settings.precision, os.environ["LT_PRECISION"]) == ("32-true", "32-true") and asked.startswith("bf16")
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
@@ -141,13 +140,13 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
 
 def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):
     """--memory --talk on a CPU without native bfloat16: the talk table's lessons that ask for a bf16
-    precision (lessons.csv) not measured, in one line that says why and where they can be measured,
+    precision (their scripts say so) not measured, in one line that says why and where they can be measured,
     the others measured; --sequel (all of it bf16): nothing, said so."""
     from run_keeping.reading import lessons
     monkeypatch.setattr(memory, "native_bf16", lambda device: False)
     monkeypatch.setattr(memory, "available_memory", lambda cuda: 200e9)
-    rows = {script[:2]: row for script, row in lessons().items()}
-    bf16 = lambda numbers: [n for n in numbers if rows[n]["precision"].startswith("bf16")]  # noqa: E731
+    asks = {script[:2]: SAID[script]["precision"] or "" for script in lessons()}
+    bf16 = lambda numbers: [n for n in numbers if asks[n].startswith("bf16")]  # noqa: E731
     talk = argparse.Namespace(memory_scripts=None, sequel=False, memory_models_given=False, memory_models=[], smoke=False)
     plan, notes = memory.memory_plan(talk, cuda=False, libraries=0.8)
     chain = memory.chain("talk")

@@ -11,7 +11,7 @@ import torch
 
 import local_utilities as lu
 from run_keeping.keeper import LATEST, RunKeeper
-from conftest import ROOT, TWO_NODES, check_ok, finish, images_bf16_may_flip, kill_group, read_records, \
+from conftest import ROOT, TWO_NODES, parse_as, check_ok, finish, images_bf16_may_flip, kill_group, read_records, \
     run_script, script_env, smoke_logits, start, wait_for
 
 EARLIER = '{"script": "00_pytorch-vit-random-init.py", "test_acc": 0.6285}\n'
@@ -325,8 +325,9 @@ def parse(monkeypatch, tmp_path):
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def parse_args(*flags, script="01_pytorch-vit.py"):
-        monkeypatch.setattr(sys, "argv", [script, "--smoke", *flags])
-        return lu.parse_args(epochs=3)
+        args = parse_as(script, "--smoke", *flags)
+        sys.argv[0] = script  # the keeper's lines name the command as typed in the project's folder
+        return args
     yield parse_args
     for s, handler in handlers.items():
         signal.signal(s, handler)

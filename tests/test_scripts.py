@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from conftest import native_bf16, read_records, ROOT, run_script, SCRIPTS, script_env
+from conftest import native_bf16, read_records, ROOT, run_script, SAID, SCRIPTS, script_env
 from run_keeping.config import SMOKE_EPOCHS, precision_that_runs
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs
@@ -54,7 +54,7 @@ def test_a_record_of_an_earlier_version_reads_as_this_one():
 
 FABRIC_SCRIPTS = [s for s in SCRIPTS if "fabric" in s]
 ROWS = lessons()
-BF16_TRUE = [s for s in SCRIPTS if ROWS[s]["precision"] == "bf16-true"]
+BF16_TRUE = [s for s in SCRIPTS if SAID[s]["precision"] == "bf16-true"]
 ACCUMULATING = [s for s in SCRIPTS if "micro_batches=" in (ROOT / s).read_text()]  # their parse_args says so
 BATCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Batch \d{4}/\d{4} \| Loss: \d+\.\d{4}$", re.M)
 EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val acc\.: \d+\.\d{2}%$",
@@ -63,7 +63,7 @@ EPOCH_LINE = re.compile(r"^Epoch: \d{4}/\d{4} \| Train acc\.: \d+\.\d{2}% \| Val
 # room for a loaded 2-core machine (01 --smoke: 7 s alone, 61 s beside a second test suite).
 # A lesson that compiles (40-60 s with a cold cache), starts 2 processes, or takes 4 times the steps
 # (micro-batches of 4: about 35 s alone) has 240 s.
-WALL_LIMIT_S = {s: 240 for s in SCRIPTS if ROWS[s]["compiles"] or ROWS[s]["devices"] > 1 or s in ACCUMULATING}
+WALL_LIMIT_S = {s: 240 for s in SCRIPTS if SAID[s]["compile_mode"] or ROWS[s]["devices"] > 1 or s in ACCUMULATING}
 
 
 @pytest.mark.slow
@@ -173,14 +173,15 @@ def test_the_printed_time_leaves_out_the_checkpoint_writes(tmp_path):
 
 @pytest.mark.slow
 def test_records_say_what_ran(smoke_runs):
-    """Each record's precision is what ran: the lesson's (lessons.csv), or, on a CPU without native
-    bfloat16, its fallback; and its processes."""
+    """Each record's precision is what ran: what the lesson's Fabric(...) asks for, or, on a CPU
+    without native bfloat16, its fallback, with what it asked; and its processes."""
     from run_keeping.reading import lessons
     rows = lessons()
     for script in SCRIPTS:
         record, row = smoke_runs(script).record, rows[script]
-        ran = precision_that_runs(row["precision"], "cpu", row["strategy"]) if not native_bf16() else row["precision"]
-        assert record["precision"] == ran, script
+        asked = SAID[script]["precision"]
+        ran = precision_that_runs(asked, "cpu", SAID[script]["sharded"]) if not native_bf16() else asked
+        assert (record["precision"], record["precision_asked"]) == (ran, asked), script
         assert record["world_size"] == (2 if row["devices"] > 1 else 1), script  # --smoke on a CPU: 2 processes
 
 
@@ -223,16 +224,15 @@ def test_lessons_csv_names_each_lessons_optimizer_and_checkpointing():
 
 @pytest.mark.slow
 def test_a_cpu_run_of_cuda_graphs_says_it_has_none(smoke_runs):
-    """A lesson that compiles with mode="reduce-overhead" (CUDA graphs, lessons.csv's compiles) says,
-    run on a CPU, that the CPU has no CUDA graphs and what runs instead, before training."""
-    from run_keeping.reading import lessons
-    graphs = [s for s, row in lessons().items() if row["compiles"] == "reduce-overhead"]
+    """A lesson that compiles with mode="reduce-overhead" (CUDA graphs) says, run on a CPU, that the CPU
+    has no CUDA graphs and what runs instead, before training; its record gives the mode."""
+    graphs = [s for s, said in SAID.items() if said["compile_mode"] == "reduce-overhead"]
     assert graphs
     for script in graphs:
         run = smoke_runs(script)
         before = run.out.split("Epoch: 0001")[0]
-        assert 'has no CUDA graphs: torch.compile(mode="reduce-overhead") compiles the model and runs it without' \
-            in before and run.record["compile_mode"] == "reduce-overhead", script
+        assert "A CPU has no CUDA graphs: here the model is only compiled." in before, script
+        assert run.record["compile_mode"] == "reduce-overhead", script
 
 
 @pytest.mark.slow
@@ -386,13 +386,14 @@ def calls(script, name):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_the_talks_weights_epochs_batch_and_learning_rate(script):
-    (parse_kwargs, _), = calls(script, "parse_args")
+    (parse_kwargs, _), = calls(script, "lesson_parser")
     (vit_kwargs, _), = calls(script, "build_vit")
     row = lessons()[script]
     assert parse_kwargs["epochs"] == row["epochs"]
     assert vit_kwargs["weights"] == (None if "random init" in row["technique"] else "IMAGENET1K_V1")
     assert parse_kwargs.get("devices", 1) == lessons()[script]["devices"]
-    assert parse_kwargs.get("micro_batches", 1) == (4 if script in ACCUMULATING else 1)
+    micro = calls(script, "set_defaults")
+    assert (micro[0][0]["micro_batches"] if micro else 1) == (4 if script in ACCUMULATING else 1)
     # the optimizer its row names, made once, and no other; its line (with its learning rate) is the
     # talk's, kept from the script it is the diff against, or one this lesson changed and tagged
     assert len(calls(script, row["optimizer"])) == 1, (script, row["optimizer"])
@@ -434,9 +435,10 @@ def test_fabric_scripts_call_fabric_backward(script):
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)
 def test_the_talks_precision_line(script):
-    """The precision its row names, in the talk's words (precision="bf16-mixed"), or none for 32-true;
-    a bf16-true lesson makes its model in bfloat16 (under fabric.init_module)."""
-    source, precision = (ROOT / script).read_text(), ROWS[script]["precision"]
+    """The precision the run reads from the script (read_script) is its line in the talk's words
+    (precision="bf16-mixed"), or 32-true where it has none; a bf16-true lesson makes its model in
+    bfloat16 (under fabric.init_module)."""
+    source, precision = (ROOT / script).read_text(), SAID[script]["precision"]
     if precision == "32-true":
         assert "precision=" not in source
     else:

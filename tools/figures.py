@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks.reports import markdown_table  # noqa: E402
 from run_keeping.reading import read_records, read_runs, whole  # noqa: E402
+from run_keeping.record import write_atomically  # noqa: E402
 from run_keeping.config import VITS  # noqa: E402
 from run_keeping.reading import lessons
 
@@ -246,18 +247,25 @@ def epochs():
 
 
 def lesson_flags():
-    """docs/flags-records-exit-codes.md: each lesson's own flags, from their one declaration (lessons.csv)."""
-    from run_keeping.config import flag_keywords, own_flags
+    """docs/flags-records-exit-codes.md: each lesson's own flags, as its script declares them (add_argument)."""
+    from run_keeping.config import read_script
     rows = []
-    for script, row in lessons().items():
-        for flag, declared in own_flags(row):
-            keywords = flag_keywords(declared)
-            bounds = [f"at least {declared['min']}" if "min" in declared else "",
-                      f"above {declared['above']}" if "above" in declared else "",
-                      "divides the processes" if declared.get("divides") == "processes" else ""]
-            rows.append([f"`{flag} {keywords['metavar']}`", script[:2], f"{declared['type']}, " + ", ".join(b for b in bounds if b),
-                         str(keywords["default"]), declared["help"]])
-    return "\n".join(markdown_table(["flag", "lesson", "value", "default", ""], rows))
+    for script in (script for script, row in lessons().items() if row["epochs"]):  # 08 is a program of its own
+        for names, keywords in read_script(ROOT / script)["flags"]:
+            takes = [f"`{k}={v}`" for k, v in keywords.items() if k in ("type", "choices", "action", "nargs", "dest")]
+            default = "off" if "store_true" in keywords.get("action", "") else keywords.get("default", "None")
+            rows.append([f"`{', '.join(map(str, names))}`", script[:2], ", ".join(takes), f"`{default}`",
+                         " ".join(literal_text(keywords.get("help", "")).split())])
+    return "\n".join(markdown_table(["flag", "lesson", "declared with", "default", ""], rows))
+
+
+def literal_text(source):
+    """A keyword's source as its value where it is a literal (a help text), else the source."""
+    import ast
+    try:
+        return str(ast.literal_eval(source))
+    except (ValueError, SyntaxError):
+        return source
 
 
 def no_bf16_smoke():
@@ -420,14 +428,20 @@ def main(argv=None):
     parser.add_argument("--charts", action="store_true", help="also redraw the charts in reference/")
     args = parser.parse_args(argv)
     if args.check:
-        found = differing()
+        try:
+            found = differing()
+        except ValueError as err:
+            sys.exit(f"figures.py: error: {err}")
         for page, names in found:
             print(f"{page}: {', '.join(names)} differ from their records (python tools/figures.py makes them again)")
         sys.exit(1 if found else 0)
-    for page in PAGES:
-        new = rewritten(page.read_text())[0]
+    try:  # every page made before any is written: all of them, or none
+        made = {page: rewritten(page.read_text())[0] for page in PAGES}
+    except ValueError as err:  # a row of lessons.csv it cannot read: reading.lessons names it
+        sys.exit(f"figures.py: error: {err}; no page was written")
+    for page, new in made.items():
         if new != page.read_text():
-            page.write_text(new)
+            write_atomically(page, new.encode())
     if args.charts:
         charts()
     print("figures.py: every block made again from reference/" + (", and the charts" if args.charts else ""))
