@@ -7,6 +7,7 @@ From the parser's start Ctrl-C and SIGTERM end the program in one line (docs/run
 
 import argparse
 import ast
+import atexit
 import json
 import os
 import re
@@ -74,11 +75,20 @@ def on_signals(handler):
         signal.signal(signum, handler)
 
 
+def hand_back():
+    """As the run ends, finished or not: Python's own handlers again, for whoever ran the script (a
+    prompt, a notebook, a debugger); and as the interpreter exits, the two signals ignored, so that
+    none ends it by the signal while it shuts down (Python drops its own handlers there)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    atexit.register(on_signals, signal.SIG_IGN)
+
+
 def stop_while_starting(signum, frame=None):
     name = signal.Signals(signum).name
     print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
-    sys.stderr.flush()
-    os._exit(EXIT_ON_SIGNAL[signum])  # at once: an import may be half done, and nothing is to be kept
+    hand_back()
+    raise SystemExit(EXIT_ON_SIGNAL[signum])
 
 
 class Parser(argparse.ArgumentParser):

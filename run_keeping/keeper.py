@@ -21,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
-from run_keeping.config import invoked, on_signals, resume_command, started_flags
+from run_keeping.config import hand_back, invoked, on_signals, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
 
@@ -53,15 +53,18 @@ class RunKeeper:
         self.config, self.fabric, self.folder = config, fabric, Path(config.checkpoint_dir)
         self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
         self.lock = self.last = self.scheduler = self.epoch_loss = self.epoch_timer = None
-        self.finished, self.start_epoch, self.batch_in_epoch, self.train_loss = False, 0, 0, []
-        self.signum, self.deferred = signal.SIGINT, None
+        self.finished, self.start_epoch, self.kept, self.batch_in_epoch, self.train_loss = False, 0, 0, 0, []
+        self.signum, self.deferred, self.peak_gb = signal.SIGINT, None, 0.0
         on_signals(self.on_signal)  # Ctrl-C and SIGTERM: KeyboardInterrupt wherever the run is
-        # A collective: every process of the run takes part, and all stop where one cannot go on
-        restart = self.agree(self.claim_folder)
+        try:  # a collective: every process takes part, and all stop where one cannot go on
+            restart = self.agree(self.claim_folder)
+        except SystemExit:  # refused: nothing of this run is left behind, no lock, no folder
+            self.let_go()
+            hand_back()
+            raise
         self.resuming = config.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        restarted = f"{restart}: continuing the run in {self.folder}." if restart else None
-        self.say(fallback_line(config), restarted)
+        self.say(fallback_line(config), f"{restart}: continuing the run in {self.folder}." if restart else None)
 
     def __enter__(self):
         return self
@@ -70,12 +73,12 @@ class RunKeeper:
         self.signum = signum
         raise KeyboardInterrupt
 
-    def defer_signal(self, signum, frame):  # while the last files are written, and after
+    def defer_signal(self, signum, frame):  # while the last files are written, or a checkpoint is named
         self.deferred = self.deferred or signum
 
     def __exit__(self, kind, error, traceback):
-        """One line and an exit code for an interruption or a known error, then the process ends
-        here, in every lesson (os._exit); a traceback for an error nobody can act on otherwise."""
+        """One line and an exit code for an interruption or a known error; a traceback for an error
+        nobody can act on otherwise. Then the run hands back as a Python program ends: docs/run-keeping.md."""
         on_signals(self.defer_signal)  # a signal from here on changes nothing: noted, said below
         code, message = 0, None
         if kind and issubclass(kind, KeyboardInterrupt):
@@ -87,16 +90,16 @@ class RunKeeper:
         elif self.deferred:  # a signal while the finished run wrote its files, or since
             code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
         self.let_go()
-        if code is None:
-            return False  # an error nobody can act on but by reading its traceback
         if message and self.rank == 0:
             print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # The process ends here, finished or not, whatever the lesson: no interpreter shutdown, in
-        # which a signal would kill it (Python drops its handlers there) and gloo may abort
-        # (pytorch/pytorch#190489). docs/run-keeping.md, "Exit".
-        os._exit(code)
+        if torch.distributed.is_initialized():  # no gloo thread outlives the interpreter (pytorch#190489)
+            torch.distributed.destroy_process_group()
+        hand_back()
+        if code is None:
+            return False  # an error nobody can act on but by reading its traceback
+        if code:
+            raise SystemExit(code) from None
+        return False
 
     def let_go(self):
         """The folder let go of, and removed if nothing of the run is left in it."""
@@ -138,18 +141,19 @@ class RunKeeper:
             self.lock = FolderLock(self.folder)
             for leftover in self.folder.glob("*.tmp"):  # a write that was cut off
                 remove(leftover)
-        exists, latest = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}
+        exists, latest, c = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}, self.config
         restart = restart_reason(latest)
-        if exists and not self.config.resume and not restart:
+        if exists and not c.resume and not restart:
             continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {self.start_over()}"
             fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
-        if self.config.resume and not exists:
-            others = sorted(self.folder.parent.glob(f"{Path(self.config.script).stem}*/{LATEST}"))
-            flags = [(read_json(p) or {}).get("flags") for p in others]
+        if c.resume and not exists:
+            others = sorted(self.folder.parent.glob(f"{Path(c.script).stem}*/{LATEST}"))
             hint = "".join(
-                f" {p.parent} holds one: continue it with {resume_command(f)}." for p, f in zip(others, flags)
+                f" {p.parent} holds one: continue it with {resume_command((read_json(p) or {}).get('flags'))}."
+                for p in others
             )
-            fail(f"--resume: nothing to resume in {self.folder} (no {LATEST}).{hint} Several machines must share it.")
+            shared = " Every machine must see it (--checkpoint-dir)." if c.num_nodes > 1 else ""
+            fail(f"--resume: nothing to resume in {self.folder} (no {LATEST}).{hint}{shared}")
         return restart
 
     def start_over(self):
@@ -168,10 +172,9 @@ class RunKeeper:
         self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
         self.say(kind_line(self.config, self.init) if self.config.kind else None)
-        self.val_acc, self.lr, self.checkpoint_s, self.peak_gb = [], [], [], 0.0
+        self.val_acc, self.lr, self.checkpoint_s, self.cpu_at_start = [], [], [], cpu_times()
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
-        self.cpu_at_start = cpu_times()
         if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
             held = torch.zeros(self.world_size, dtype=torch.float64)
             held[self.rank] = sum(
@@ -216,9 +219,20 @@ class RunKeeper:
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
 
     def check_loss(self):
-        if self.epoch_loss is not None and self.first_bad >= 0:
-            where = f"at epoch {len(self.train_loss) + 1}, batch {int(self.first_bad)}"
-            fail(f"the loss is {float(self.epoch_loss)} {where}: stopping; no checkpoint or record written for it.", 1)
+        """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
+        if self.epoch_loss is None:
+            return
+        bad = self.first_bad if self.world_size == 1 else reduced(self.fabric, self.first_bad, "max")
+        if bad >= 0:
+            value = float(self.epoch_loss) if self.first_bad >= 0 else "not finite in another process"
+            where = f"at epoch {len(self.train_loss) + 1}, batch {int(bad)}"
+            if self.rank == 0:
+                print(
+                    f"{self.config.script}: error: the loss is {value} {where}: stopping; no checkpoint or record written for it.",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise SystemExit(1)
 
     def checkpoint(self, epoch, model, optimizer, val_acc):
         """After an epoch's validation: its figures, and the checkpoint to continue from."""
@@ -251,23 +265,23 @@ class RunKeeper:
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def save_checkpoint(self):
-        name = f"epoch-{len(self.train_loss):04d}.ckpt"
+        c, done = self.config, len(self.train_loss)
+        name = f"epoch-{done:04d}.ckpt"
         final, partial = self.folder / name, self.folder / (name + ".tmp")
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
-        progress = {"epochs_done": len(self.train_loss), "train_loss": self.train_loss, "lr": self.lr}
+        progress = {"epochs_done": done, "train_loss": self.train_loss, "lr": self.lr, "val_acc": self.val_acc}
         progress |= {
-            "val_acc": self.val_acc,
             "train_time_s": train_time_s,
             "timed_images": images,
             "timed_seconds": seconds,
+            "peak_gb": self.peak_gb,
         }
         state = {"model": self.model, "optimizer": self.optimizer, "progress": progress, "rng": torch.get_rng_state()}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
-        if self.last:
-            kept = f"the last good checkpoint ({self.last}) is untouched: once there is room, continue with: {resume_command()}"
-        else:
-            kept = f"no checkpoint was written yet: once there is room, start again with: {invoked(*started_flags())}"
+        go_on = f"continue with: {resume_command()}" if self.last else f"start again with: {invoked(*started_flags())}"
+        kept = f"the last good checkpoint ({self.last}) is untouched" if self.last else "no checkpoint was written yet"
+        kept += f": once there is room, {go_on}"
         try:
             if self.fabric:
                 self.fabric.save(partial, state)
@@ -275,17 +289,19 @@ class RunKeeper:
                 plain = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
                 plain |= {"scheduler": self.scheduler.state_dict()} if self.scheduler else {}
                 write_whole(partial, plain | {"progress": progress, "rng": state["rng"]})
+            on_signals(self.defer_signal)  # the checkpoint named whole: the interruption line is true at any moment
             if self.rank == 0:
                 os.replace(partial, final)
-                c, env = self.config, os.environ  # a requeued job, a torchrun restart: the same launch ids
+                env = os.environ  # a requeued job, a torchrun restart: the same launch ids
                 launch = {
                     "slurm_job_id": env.get("SLURM_JOB_ID"),
                     "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"),
                 }
-                latest = {"checkpoint": name, "epochs_done": len(self.train_loss), "script": c.script, "kind": c.kind}
+                latest = {"checkpoint": name, "epochs_done": done, "script": c.script, "kind": c.kind, "launch": launch}
                 latest |= {"settings": {key: getattr(c, key) for key in SETTINGS} | c.own, "flags": started_flags()}
-                latest |= {"launch": launch}
                 write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
+            self.last, self.kept = final, done
+            if self.rank == 0:
                 for older in self.folder.glob("epoch-*.ckpt"):
                     if older.name != name:
                         remove(older)
@@ -297,7 +313,11 @@ class RunKeeper:
             full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
-        self.last = final
+        finally:
+            on_signals(self.on_signal)
+            if self.deferred:  # a signal while the checkpoint was named: acted on now
+                self.signum, self.deferred = self.deferred, None
+                raise KeyboardInterrupt
 
     def load_checkpoint(self):
         latest, c, start_over = read_json(self.folder / LATEST), self.config, self.start_over()
@@ -307,9 +327,11 @@ class RunKeeper:
         mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}, **c.own}
         theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
         differences = [f"{key} {theirs.get(key)} (now {v})" for key, v in mine.items() if theirs.get(key) != v]
+        as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
         if differences:
-            as_started = f"continue it as started: {resume_command(latest.get('flags'))}; or {start_over}"
-            fail(f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}")
+            fail(
+                f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}; or {start_over}"
+            )
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
         try:
@@ -317,16 +339,19 @@ class RunKeeper:
                 self.fabric.load(path, state)  # restores the model, optimizer and scheduler in place
             else:
                 state = torch.load(path, map_location="cpu", weights_only=True)
-                self.model.load_state_dict(state["model"])
-                self.optimizer.load_state_dict(state["optimizer"])
-                if self.scheduler:
-                    self.scheduler.load_state_dict(state["scheduler"])
+                for key in ["model", "optimizer"] + (["scheduler"] if self.scheduler else []):
+                    getattr(self, key).load_state_dict(state[key])
         except Exception as err:  # a truncated or foreign file fails in many ways
-            fail(f"--resume: cannot load {path} ({why_unloadable(err)}); {start_over}")
+            why = why_unloadable(err)
+            if "damaged" in why or "not a file" in why:
+                fail(f"--resume: cannot load {path} ({why}); {start_over}")
+            fail(
+                f"--resume: {path} does not fit what this script builds ({why}): it was made by another script or version; {as_started}"
+            )
         progress, self.last = state["progress"], path
-        self.start_epoch, self.train_loss = progress["epochs_done"], progress["train_loss"]
-        self.val_acc, self.lr = progress["val_acc"], progress["lr"]
-        self.earlier = {key: progress[key] for key in self.earlier}
+        self.start_epoch = self.kept = progress["epochs_done"]
+        self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
+        self.earlier, self.peak_gb = {key: progress[key] for key in self.earlier}, progress.get("peak_gb", 0.0)
         return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
@@ -340,8 +365,7 @@ class RunKeeper:
         images, seconds = self.timed_totals()
         peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
         if self.fabric and self.world_size > 1:
-            both = reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max")
-            peak, waited = float(both[0]), float(both[1])
+            peak, waited = map(float, reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max"))
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
@@ -367,10 +391,8 @@ class RunKeeper:
                 append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
                 for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
                     remove(checkpoint)
-                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it"
-                self.say(
-                    kind_line(c, self.init) if c.kind else None, None if c.whole else cut_short + " out unless asked."
-                )
+                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it out unless asked."
+                self.say(kind_line(c, self.init) if c.kind else None, None if c.whole else cut_short)
                 self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
 
         self.agree(keep)
@@ -380,10 +402,13 @@ class RunKeeper:
         name, c = signal.Signals(signum).name, self.config
         if self.finished:
             return f"interrupted ({name}) after the run finished: its record is in {c.results} and its model in {c.save_model}."
-        done, lost = len(self.train_loss), self.batch_in_epoch
-        losing = f"; the {lost} batches of epoch {done + 1} trained since are not kept" if lost else ""
+        trained, batches, losing = len(self.train_loss), self.batch_in_epoch, ""
+        if trained > self.kept:  # between an epoch's end and its checkpoint's name in latest.json
+            losing = f"; epoch {trained}, whose checkpoint was being written, is not kept"
+        elif batches:
+            losing = f"; the {batches} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            held = f"the last checkpoint, {self.last}, holds {done} of {c.epochs} epochs{losing}"
+            held = f"the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
@@ -433,6 +458,7 @@ class FolderLock:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip() or "another process"
+                os.close(self.fd)
                 fail(f"a run is in progress in {folder} ({holder}): wait, or give this one another --checkpoint-dir.")
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it

@@ -33,7 +33,9 @@ def lesson_rows():
     for number, row in found:
         if None in row or None in row.values():  # csv's marks of a field too many, or too few
             more = "more" if None in row else "fewer"
-            raise ValueError(f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {len(rows.fieldnames or [])}")
+            raise ValueError(
+                f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {len(rows.fieldnames or [])}"
+            )
     return found
 
 
@@ -45,7 +47,11 @@ def lessons():
         try:
             rows[row["script"]] = {column: typed(column, value) for column, value in row.items()}
             given = {c: rows[row["script"]][c] for c in CHOICES}
-            wrong = [c for c, allowed in CHOICES.items() if set(given[c] if isinstance(given[c], list) else [given[c]]) - allowed - {None}]
+            wrong = [
+                c
+                for c, allowed in CHOICES.items()
+                if set(given[c] if isinstance(given[c], list) else [given[c]]) - allowed - {None}
+            ]
             if wrong:
                 raise ValueError(f"{wrong[0]} takes {' or '.join(sorted(CHOICES[wrong[0]]))}")
             if not (ROOT / row["script"]).is_file() or row["against"] and not list(ROOT.glob(f"{row['against']}_*.py")):

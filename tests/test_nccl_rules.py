@@ -12,12 +12,15 @@ import pytest
 
 from conftest import ROOT, descendants, kill_group, script_env
 
-# The failing process stays alive and silent where it would have left, as NCCL's peers see one
-# that has stopped (a gloo peer that exits closes its sockets, which the others notice at once).
+# The failing process stays alive and silent where it would close its sockets (RunKeeper destroys
+# the process group as the run ends), as NCCL's peers see one that has stopped (a gloo peer that
+# exits closes its sockets, which the others notice at once).
 SILENT_AFTER_FAILING = """
 import os, time
 if os.environ.get("LOCAL_RANK", "0") == "0":
-    os._exit = lambda code: time.sleep(3600)
+    import torch.distributed
+    _destroy = torch.distributed.destroy_process_group  # Lightning's barriers destroy groups of their own
+    torch.distributed.destroy_process_group = lambda group=None: time.sleep(3600) if group is None else _destroy(group)
 """
 FULL_DISK_AT_THE_MODEL_FILE = """
 import errno, os
@@ -59,8 +62,12 @@ def test_a_failure_in_process_0_alone_stops_every_process_at_once(tmp_path):
         failed = output_of(log, "cannot write models/", proc, 240)
         began = time.monotonic()
         text = output_of(log, "stops too", proc, 30)
-        waited = time.monotonic() - began
-        others = [pid for pid in descendants(proc.pid) if "05_fabric" in open(f"/proc/{pid}/cmdline").read()]
+
+        def running():  # process 1, while it runs
+            return [pid for pid in descendants(proc.pid) if "05_fabric" in open(f"/proc/{pid}/cmdline").read()]
+        while running() and time.monotonic() - began < 15:
+            time.sleep(0.2)
+        waited, others = time.monotonic() - began, running()
     finally:
         kill_group(proc, signal.SIGKILL)
     assert "cannot write models/" in failed and "No space left on device" in failed, failed[-3000:]
