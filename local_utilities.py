@@ -23,14 +23,12 @@ SMOKE_SPLIT = (240, 360)  # of scikit-learn's 1,797 digits, held out for validat
 SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
-# -- Flags ----------------------------------------------------------------------------------------
 def lesson_parser(epochs, devices=None, batch_size=16, loader=True):
     """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
     return LessonParser(epochs, devices, batch_size, loader, train_images=images)
 
 
-# -- Data -----------------------------------------------------------------------------------------
 def talk_transforms():
     """The talk's transform for every split: resize to 224x224, to a tensor in [0, 1]."""
     from torchvision import transforms
@@ -39,9 +37,8 @@ def talk_transforms():
 
 
 def get_dataloaders(args):
-    """(train, val, test) loaders: CIFAR-10 as in the talk, the --smoke digits or --synthetic
-    data; training shuffles and drops its last partial batch; --max-steps N keeps N batches; each
-    batch comes in args.micro_batches parts (12-14's gradient accumulation)."""
+    """(train, val, test) loaders of CIFAR-10 as in the talk, the --smoke digits or --synthetic data:
+    --max-steps N keeps N batches, each in args.micro_batches parts (gradient accumulation)."""
     if args.synthetic:  # on a GPU, made there
         gpu = torch.device("cuda", torch.cuda.current_device()) if args.accelerator == "cuda" else None
         train, val, test = synthetic_datasets(args, gpu)
@@ -69,18 +66,14 @@ def cifar10_datasets(data_dir, download=True):
         train_full = CIFAR10(root=data_dir, train=True, transform=talk_transforms(), download=download)
         test = CIFAR10(root=data_dir, train=False, transform=talk_transforms(), download=download)
     except RuntimeError:  # torchvision: "Dataset not found or corrupted"
-        fail(
-            f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given. "
-            f"Download {CIFAR10_URL}, unpack it there, or drop --no-download."
-        )
+        missing = f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given"
+        fail(f"{missing}. Download {CIFAR10_URL}, unpack it there, or drop --no-download.")
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
         if created:  # the folders this run made (and the partial download in them): gone again
             shutil.rmtree(created[-1], ignore_errors=True)
         why = getattr(err, "reason", None) or err.strerror or err
-        fail(
-            f"CIFAR-10 is not in {where} and could not be downloaded ({why}). On a machine with internet, download "
-            f"{CIFAR10_URL} and unpack it into {where}."
-        )
+        fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
+        fail(f"CIFAR-10 is not in {where} and could not be downloaded ({why}). {fetch}.")
     num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
@@ -93,45 +86,34 @@ def digits_datasets():
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     images = torch.nn.functional.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
-    images = images.clamp(0, 1).repeat(1, 3, 1, 1)
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    order = torch.from_numpy(np.random.RandomState(0).permutation(len(labels)))
-    images, labels = images[order], labels[order]
-    num_val, num_test = SMOKE_SPLIT
-    cut = len(labels) - num_val - num_test
-    parts = [slice(0, cut), slice(cut, cut + num_val), slice(cut + num_val, None)]
-    return tuple(TensorDataset(images[s], labels[s]) for s in parts)
+    order = torch.from_numpy(np.random.RandomState(0).permutation(len(images)))
+    images, labels = images.clamp(0, 1).repeat(1, 3, 1, 1)[order], torch.tensor(digits.target, dtype=torch.long)[order]
+    cuts = [SMOKE_TRAIN, SMOKE_TRAIN + SMOKE_SPLIT[0]]
+    return tuple(TensorDataset(x, y) for x, y in zip(images.tensor_split(cuts), labels.tensor_split(cuts)))
 
 
 def synthetic_datasets(args, device=None):
-    """Random images and labels of the run's shape: --max-steps batches per process to train on,
-    one image per process to evaluate (a synthetic run measures training, not accuracy). With a
-    `device` (a GPU), one step's images are made there and cycled through, so that no batch is
-    collated from the CPU's memory and copied over: images/s is the model's, not the loader's."""
+    """Random images and labels: --max-steps batches per process to train on, one image per process to
+    evaluate. With a `device` (a GPU), one step's images are made there and cycled through, so no batch
+    is collated from the CPU's memory and copied over: images/s is the model's, not the loader's."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.data_parallel
 
     def make(n, held):  # n items, cycling through the `held` made
-        images, labels = (
-            torch.rand(held, 3, size, size, generator=g),
-            torch.randint(0, NUM_CLASSES, (held,), generator=g),
-        )
-        return Subset(
-            TensorDataset(images.to(device or "cpu"), labels.to(device or "cpu")), [i % held for i in range(n)]
-        )
+        images = torch.rand(held, 3, size, size, generator=g).to(device or "cpu")
+        labels = torch.randint(0, NUM_CLASSES, (held,), generator=g).to(device or "cpu")
+        return Subset(TensorDataset(images, labels), [i % held for i in range(n)])
 
     train, each = args.max_steps * per_step, args.data_parallel  # to evaluate: one image a process
     return make(train, train if device is None else per_step), make(each, each), make(each, each)
 
 
-# -- Model ----------------------------------------------------------------------------------------
 SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-digits.pt"
 
 
 def smoke_vit():
-    """The --smoke model: a small ViT for 32x32 images in 16 patches of 8 pixels (with 4 of 16, random
-    init read the digits as well as pretrained: docs/smoke.md), 3 layers, width 128; a head for the 10
-    printed digits it is pretrained on, replaced by the scripts as ImageNet's 1,000 classes are."""
+    """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (with 4 of 16, random init
+    read the digits as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
     from torchvision.models.vision_transformer import VisionTransformer
 
     size, classes = SMOKE_IMAGE_SIZE, NUM_CLASSES
@@ -139,10 +121,9 @@ def smoke_vit():
 
 
 def build_vit(weights, args):
-    """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1" (downloaded
-    into torch's hub cache). --smoke: the small ViT, pretrained where the full run loads
-    IMAGENET1K_V1 (on printed digits, by make_smoke_weights.py: the demo's ImageNet); --synthetic:
-    random init. The model notes in model.init what it starts from (for the output and record)."""
+    """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1"; --smoke: the small ViT,
+    pretrained on printed digits (make_smoke_weights.py: the demo's ImageNet) where the full run loads
+    IMAGENET1K_V1; --synthetic: random init. model.init says what it starts from."""
     import torchvision.models as vits
 
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
@@ -155,32 +136,21 @@ def build_vit(weights, args):
     elif weights is None:
         model, init = vits.get_model(vit, weights=None), "random init"
     else:
-        model, init = pretrained(vit, weights), f"ImageNet-pretrained, {weights}"
+        try:  # from torch's hub cache, or downloaded
+            model, init = vits.get_model(vit, weights=weights), f"ImageNet-pretrained, {weights}"
+        except (OSError, RuntimeError) as err:
+            cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
+            fetch = f"On a machine with internet, download {weights.url} and place it at {cache}"
+            fail(f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)}). {fetch}.")
     setattr(model, "init", init)  # a note beside torchvision's own attributes
     return model
 
 
-def pretrained(vit, weights):
-    """torchvision's model with its ImageNet weights, from torch's hub cache or downloaded."""
-    import torchvision.models as vits
-
-    try:
-        return vits.get_model(vit, weights=weights)
-    except (OSError, RuntimeError) as err:
-        cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
-        fail(
-            f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)})."
-            f" On a machine with internet, download {weights.url} and place it at {cache}."
-        )
-
-
-# -- Evaluation -----------------------------------------------------------------------------------
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Accuracy (a fraction) over the loader; torchmetrics sums the counts of all processes."""
     model.eval()
     accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=NUM_CLASSES).to(device)
     for features, targets in loader:
-        features, targets = features.to(device), targets.to(device)
-        accuracy.update(torch.argmax(model(features), 1), targets)
+        accuracy.update(torch.argmax(model(features.to(device)), 1), targets.to(device))
     return accuracy.compute().item()

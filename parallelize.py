@@ -1,6 +1,6 @@
 """The parallelize functions that Fabric's ModelParallelStrategy applies to the model in the sharded
-lessons (06, 07, 10, 15), one concern each, as torchtitan keeps them: FSDP2, FSDP2 offloaded to the
-CPU, tensor parallelism then FSDP2."""
+lessons, one concern each, as torchtitan keeps them: FSDP2, FSDP2 offloaded to the CPU, tensor
+parallelism then FSDP2."""
 
 import torch
 
@@ -12,7 +12,7 @@ def fsdp_each_encoder_block(model, device_mesh, offload=False):
     every process, then the root (embeddings, head). Parameters are gathered in bfloat16, as the
     talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
     reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
-    the float32 sums DDP (05) makes too. float32 throughout on a device without native bfloat16
+    the float32 sums DDP makes too. float32 throughout on a device without native bfloat16
     (run_keeping/config.py says so). offload: see the next function."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
@@ -28,17 +28,17 @@ def fsdp_each_encoder_block(model, device_mesh, offload=False):
 
 
 def fsdp_each_encoder_block_offloaded(model, device_mesh):
-    """15's: 06's FSDP2 with CPUOffloadPolicy. Each process's shards of the parameters, gradients
+    """FSDP2 as above, with CPUOffloadPolicy. Each process's shards of the parameters, gradients
     and Adam's state stay in CPU memory; a unit's shards go to the GPU just to compute, and the
     optimizer steps on the CPU. On a CPU run everything is there already: it saves nothing."""
     return fsdp_each_encoder_block(model, device_mesh, offload=True)
 
 
 def tensor_parallel_mlps_then_fsdp(model, device_mesh):
-    """10's parallelize function, as the talk's figure splits a matrix multiplication: in each
+    """Tensor parallelism as the talk's figure splits a matrix multiplication: in each
     EncoderBlock the MLP's first Linear split by columns and its second by rows across the
     tensor-parallel processes (each computes its share of the hidden units; one all-reduce joins
-    the outputs), then FSDP2 across the data-parallel replicas as in 06. Attention stays whole:
+    the outputs), then FSDP2 across the data-parallel replicas as above. Attention stays whole:
     torchvision's MultiheadAttention packs q, k and v into one in_proj_weight, which a column
     split would cut across q, k and v instead of between heads."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -1,9 +1,7 @@
-"""A lesson's command line: the flags every lesson shares, then the lesson's own, added in the script
-with argparse's add_argument; parse_args() checks them (a bad value, an ignored flag, an unusable path
-or a launch that does not match is one line and exit 2) and adds what they decide. What the script's
-own text asks for (its precision, its torch.compile mode, its --help) is read from it (read_script);
-where the device has no native bfloat16 it sets LT_PRECISION, which the lesson's Fabric(...) reads.
-From the parser's start Ctrl-C and SIGTERM end the program in one line (docs/run-keeping.md)."""
+"""A lesson's command line: the flags every lesson shares, then the lesson's own (argparse's add_argument,
+in the script); parse_args() refuses a bad value, an ignored flag, an unusable path or a launch that does
+not match in one line (exit 2), and adds what they decide. What the script's own text asks for (its
+precision, torch.compile mode and --help) is read from it (read_script): docs/run-keeping.md."""
 
 import argparse
 import ast
@@ -38,10 +36,9 @@ NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 # becomes 16-mixed unless sharded (Fabric's ModelParallelStrategy takes no 16-mixed); otherwise
 # 32-true (a CPU's float16 is emulated too; 16-true would lose Adam's small steps).
 FALLBACKS = {("cuda", "bf16-mixed", False): "16-mixed"}
-# The CUDA builds of torch and the oldest Linux driver each needs (NVIDIA's CUDA release notes: 13.x
-# from 580, 12.x from 525 with minor-version compatibility, 11.8 from 450): docs/gpu-setup.md.
-CUDA_DRIVERS = {"13": 580, "12": 525, "11": 450}
-CUDA_INDEX = {"13": "cu130", "12": "cu126", "11": "cu118"}
+# The oldest Linux driver each CUDA major version of torch's builds needs, and PyTorch's index of
+# those builds (NVIDIA's CUDA release notes: 13.x from 580, 12.x from 525, 11.8 from 450): docs/gpu-setup.md
+CUDA_BUILDS = {"13": (580, "cu130"), "12": (525, "cu126"), "11": (450, "cu118")}
 
 
 def fail(message, code=2):
@@ -68,17 +65,14 @@ def resume_command(flags=None):
 
 
 def on_signals(handler):
-    """The one place a handler for Ctrl-C and SIGTERM is installed: the lesson's parser installs the
-    starting one; RunKeeper its own while the run trains, one that notes a signal while the run ends,
-    and Python's own again as it hands back."""
+    """The one place a handler for Ctrl-C and SIGTERM is installed (docs/run-keeping.md lists when)."""
     for signum in EXIT_ON_SIGNAL:
         signal.signal(signum, handler)
 
 
 def hand_back():
-    """As the run ends, finished or not: Python's own handlers again, for whoever ran the script (a
-    prompt, a notebook, a debugger); and as the interpreter exits, the two signals ignored, so that
-    none ends it by the signal while it shuts down (Python drops its own handlers there)."""
+    """As a run ends: Python's own handlers again, for whoever ran the script (a prompt, a notebook, a
+    debugger); as the interpreter exits, both signals ignored, so none kills it while it shuts down."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     atexit.register(on_signals, signal.SIG_IGN)
@@ -106,22 +100,19 @@ def whole_number(least, most=None):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value}")
-        if most is not None and value > most:
-            raise argparse.ArgumentTypeError(f"must be at most {most:,}, got {value:,}")
+        if value < least or (most is not None and value > most):
+            wrong = f"must be {least} or more" if value < least else f"must be at most {most:,}"
+            raise argparse.ArgumentTypeError(f"{wrong}, got {value:,}")
         return value
 
     return check
 
 
 def read_script(path):
-    """What a lesson's own text asks for, read before any of it runs, so that a copy of it under any
-    name asks the same: the precision of its Fabric(...) ("32-true" where it names none, None where it
-    is not written out), whether that strategy shards the model, torch.compile's mode (None where it
-    does not compile), and its --help (its docstring's first paragraph and the lines tagged with its
-    own number). The tools read a lesson's flags here too."""
-    said = {"precision": "32-true", "sharded": False, "compile_mode": None, "flags": [], "description": ""}
+    """What a lesson's own text asks for, read before it runs, so that a copy under any name asks the same: its
+    Fabric's precision (None where no literal), whether its strategy shards, torch.compile's mode, its --help
+    (its own tagged lines, then its docstring's first paragraph)."""
+    said = {"precision": "32-true", "sharded": False, "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
         tree = ast.parse(text)
@@ -134,8 +125,6 @@ def read_script(path):
             said["sharded"] = bool(re.search(r"ModelParallel|fsdp", ast.unparse(keywords.get("strategy", call))))
         elif name == "torch.compile":
             said["compile_mode"] = literal(keywords.get("mode")) or "default"
-        elif name.endswith("add_argument") and call.args:
-            said["flags"].append(([literal(a) for a in call.args], {k: ast.unparse(v) for k, v in keywords.items()}))
     tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
     own = [f"[{number}] {change}." for number, change in tags if number == max(n for n, _ in tags)]
     said["description"] = " ".join([f"{Path(path).name}:", *own, (ast.get_docstring(tree) or "").split("\n\n")[0]])
@@ -168,10 +157,9 @@ def check_path(flag, path, folder=False):
 
 
 class LessonParser(Parser):
-    """A lesson's command line: the shared flags (docs/flags-records-exit-codes.md), then the lesson's own,
-    which the script adds with add_argument. A lesson's flag may set a setting the shared code reads, by its
-    dest: micro_batches (the loader hands out each batch in that many parts) or tensor_parallel (the
-    processes that hold one replica between them). parse_args() returns the settings and what they decide."""
+    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own. A lesson's
+    flag may set, by its dest, a setting the shared code reads: micro_batches (the loader hands out each
+    batch in that many parts) or tensor_parallel (the processes that hold one replica between them)."""
 
     own: list | None = None  # the lesson's own flags, as add_argument returns them (after the shared ones)
 
@@ -179,11 +167,11 @@ class LessonParser(Parser):
         on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
         self.said, smoke_epochs = read_script(sys.argv[0]), SMOKE_EPOCHS.get(epochs, 2)
         super().__init__(description=self.said["description"])
-        self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size, smoke_epochs=smoke_epochs)
-        self.train_images = train_images or {}
-        add, number = self.add_argument, dict(type=whole_number(1), metavar="N")
-        add("--smoke", action="store_true", help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
-        add("--synthetic", action="store_true", help="random images and labels, random init: for throughput and memory")
+        self.shape, self.train_images = dict(epochs=epochs, devices=devices, batch_size=batch_size), train_images or {}
+        self.shape["smoke_epochs"] = smoke_epochs
+        add, number, switch = self.add_argument, dict(type=whole_number(1), metavar="N"), dict(action="store_true")
+        add("--smoke", **switch, help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
+        add("--synthetic", **switch, help="random images and labels, random init: for throughput and memory")
         steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
         add("--max-steps", **number, help=steps)
         add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
@@ -191,23 +179,18 @@ class LessonParser(Parser):
         if loader:
             add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
         add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
-        add("--no-download", action="store_true", help="fail instead of downloading CIFAR-10")
+        add("--no-download", **switch, help="fail instead of downloading CIFAR-10")
         add("--results", default="results/runs.jsonl", metavar="FILE", help="run records, a JSON line a run, appended")
         add("--save-model", metavar="PATH", help="where the finetuned model goes (default models/<run>.pt)")
         add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's)")
         add("--seed", type=whole_number(0, 2**63 - 1), default=123, metavar="N", help="default 123, the talk's")
-        add(
-            "--accelerator",
-            default="auto",
-            choices=["auto", "cuda", "cpu"],
-            help="auto: the GPU, else the CPU (--smoke: CPU)",
-        )
+        add("--accelerator", default="auto", choices=["auto", "cuda", "cpu"], help="GPU if any (not --smoke)")
         if devices is not None:
             capped = f"; --smoke on a CPU: {min(devices, 2)}" if devices > 2 else ""
             add("--devices", **number, help=f"processes (GPUs) per machine (default {devices}{capped})")
             add("--num-nodes", type=whole_number(1), default=1, metavar="N", help="machines")
         add("--checkpoint-dir", metavar="DIR", help="checkpoints (default checkpoints/<run>/), seen by every machine")
-        add("--resume", action="store_true", help="continue the run in --checkpoint-dir from its last epoch")
+        add("--resume", **switch, help="continue the run in --checkpoint-dir from its last epoch")
         self.set_defaults(micro_batches=1, tensor_parallel=1)
         self.own = []
 
@@ -217,48 +200,45 @@ class LessonParser(Parser):
             self.own.append(action)
         return action
 
-    def flag(self, dest, otherwise):
-        """How the command line spells the setting `dest`: the lesson's flag that sets it, or `otherwise`."""
+    def flag(self, dest, otherwise):  # the lesson's flag that sets `dest`, or `otherwise`
         return next((a.option_strings[0] for a in self.own or [] if a.dest == dest and a.option_strings), otherwise)
 
     def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        """The flags as given, and what they decide: docs/run-keeping.md."""
         given = super().parse_args(args, namespace)
-        script, said = Path(sys.argv[0]).name, self.said
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
-        ignored = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
+        given_data = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
+        ignored = " and ".join(given_data)
         if ignored and kind:
-            self.error(
-                f"{' and '.join(ignored)}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it"
-            )
+            self.error(f"{ignored}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
         if given.smoke and given.vit:
             self.error("--vit: a smoke run trains its own small ViT; drop it")
         places = place_processes(given, self)
         sizes = settle_sizes(given, self, kind, places)
         defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
         chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
-        named = [
-            spelling.format(chosen[key]) for key, spelling in NAMED_SETTINGS.items() if chosen[key] != defaults[key]
-        ]
+        named = [how.format(chosen[key]) for key, how in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
         actions = [a for a in self.own or [] if a.dest != argparse.SUPPRESS]
         flags = [(a.option_strings or [a.dest])[0] for a in actions]
         values = [json.loads(json.dumps(getattr(given, a.dest), default=str)) for a in actions]
         starts = [a.type(a.default) if isinstance(a.default, str) and callable(a.type) else a.default for a in actions]
-        named += [
-            f"{f.lstrip('-')}{'' if isinstance(v, bool) else v}" for f, v, d in zip(flags, values, starts) if v != d
-        ]
-        name = "-".join(part for part in [Path(script).stem, kind, *named] if part)
-        vars(given).update(
-            places, **sizes, script=script, kind=kind, vit=chosen["vit"], data_dir=given.data_dir or "data"
-        )
+        changed = [(flag, value) for flag, value, start in zip(flags, values, starts) if value != start]
+        named += [flag.lstrip("-") + ("" if isinstance(value, bool) else str(value)) for flag, value in changed]
+        name = "-".join(part for part in [Path(sys.argv[0]).stem, kind, *named] if part)
+        vars(given).update(places, **sizes, script=Path(sys.argv[0]).name, kind=kind, vit=chosen["vit"])
         given.own = dict(zip(flags, values))  # the lesson's own settings, by their flags, defaults included
-        asked = said["precision"]
-        given.precision = precision_that_runs(asked, places["accelerator"], said["sharded"])
-        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=said["compile_mode"])
+        asked, given.data_dir = self.said["precision"], given.data_dir or "data"
+        given.precision = precision_that_runs(asked, places["accelerator"], self.said["sharded"])
+        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=self.said["compile_mode"])
         vars(given).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
-        check_places(given)
+        check_path("--results", given.results)  # each place the run writes, before any work
+        check_path("--save-model", given.save_model)
+        check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
+        if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
+            fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
+        if not kind and not given.no_download:
+            check_path("--data-dir", given.data_dir, folder=True)
         # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
         # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
@@ -267,36 +247,21 @@ class LessonParser(Parser):
         return given
 
 
-def check_places(args):
-    """Each place the run writes can be written: one line and exit 2 before any work otherwise."""
-    check_path("--results", args.results)
-    check_path("--save-model", args.save_model)
-    check_path("--checkpoint-dir", args.checkpoint_dir, folder=True)
-    if not args.kind and Path(args.data_dir).exists() and not Path(args.data_dir).is_dir():
-        fail(f"--data-dir {args.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-    if not args.kind and not args.no_download:
-        check_path("--data-dir", args.data_dir, folder=True)
-
-
 def place_processes(given, parser):
-    """The accelerator, the processes per machine and their data-parallel replicas (the processes over
-    tensor_parallel), with the defaults the run name is measured against."""
+    """The accelerator, processes per machine and data-parallel replicas, and the defaults the run's name is against."""
     import torch
 
-    devices = parser.shape["devices"]
-    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices, cuda_count = parser.shape["devices"], torch.cuda.device_count() if torch.cuda.is_available() else 0
     accelerator = given.accelerator
     if accelerator == "auto" and cuda_count == 0 and not given.smoke:
         hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
-        fail(
-            unusable_gpu()
-            or f"no CUDA GPU found. A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
-        )
+        cpu = f"try {hint}, or add --accelerator cpu to insist"
+        fail(unusable_gpu() or f"no CUDA GPU found. A full run on a CPU takes about a day: {cpu}.")
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
     default_devices = 1 if devices is None else min(devices, 2) if given.smoke and accelerator == "cpu" else devices
     count = 1 if devices is None else given.devices or default_devices  # --smoke on a CPU: 2 processes show it
-    num_nodes = 1 if devices is None else given.num_nodes
+    num_nodes, group = 1 if devices is None else given.num_nodes, given.tensor_parallel
     if accelerator == "cuda" and count > cuda_count:
         asked = f"--devices {count}" if devices else "--accelerator cuda"
         fail(unusable_gpu() or f"asked for {count} GPU(s) per machine ({asked}) but this machine has {cuda_count}.")
@@ -304,56 +269,42 @@ def place_processes(given, parser):
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
     check_launch(count, num_nodes, takes_devices=devices is not None)
-    world, group = count * num_nodes, given.tensor_parallel
+    world = count * num_nodes
     if group < 1 or world % group:
-        parser.error(
-            f"{parser.flag('tensor_parallel', 'tensor_parallel')} {group} does not divide the {world} processes"
-        )
-    places = dict(
-        accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=world, data_parallel=world // group
-    )
-    return places | {"defaults": {"world_size": default_devices}}
+        flag = parser.flag("tensor_parallel", "tensor_parallel")
+        parser.error(f"{flag} {group} does not divide the {world} processes")
+    places = dict(accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=world)
+    return places | {"data_parallel": world // group, "defaults": {"world_size": default_devices}}
 
 
 def settle_sizes(given, parser, kind, places):
-    shape, micro = parser.shape, given.micro_batches
+    shape, micro, replicas = parser.shape, given.micro_batches, places["data_parallel"]
     default_epochs = 1 if given.synthetic else shape["smoke_epochs"] if given.smoke else shape["epochs"]
     max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
-    chosen_epochs = given.epochs or default_epochs
-    if given.synthetic and max_steps <= WARMUP_STEPS and chosen_epochs == 1:
+    epochs = given.epochs or default_epochs
+    if given.synthetic and max_steps <= WARMUP_STEPS and epochs == 1:
         parser.error(f"--synthetic times the steps after {WARMUP_STEPS}: give --max-steps {WARMUP_STEPS + 1} or more")
-    replicas = places["data_parallel"]
     default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else shape["batch_size"]
     batch = given.batch_size or default_batch
     if micro < 1 or batch % micro:
-        flag = parser.flag("micro_batches", "micro-batches")
-        parser.error(
-            f"{flag} {micro}: the batch of {batch} (--batch-size) is trained on in {micro} micro-batches, so it must divide it"
-        )
-    note = ""
+        split = f"the batch of {batch} (--batch-size) is trained on in {micro} micro-batches, so it must divide it"
+        parser.error(f"{parser.flag('micro_batches', 'micro-batches')} {micro}: {split}")
+    note, images = "", None if given.synthetic else parser.train_images.get(kind or "full")
     if given.smoke and SMOKE_GLOBAL_BATCH % replicas and batch == default_batch:
         note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16: 16 does not divide by {replicas}."
-    images = None if given.synthetic else parser.train_images.get(kind or "full")
     if images is not None and batch * replicas > images:
-        parser.error(
-            f"--batch-size {batch}: the {images:,} training images of a {kind or 'full'} run make no batch of {batch} "
-            f"for each of {replicas} data-parallel process(es); the largest that works is {images // replicas}"
-        )
-    sizes = dict(
-        epochs=chosen_epochs, batch_size=batch, max_steps=max_steps, whole=given.synthetic or max_steps is None
-    )
-    defaults = {
-        "epochs": default_epochs,
-        "batch_size": default_batch,
-        "max_steps": given.synthetic and SYNTHETIC_STEPS or None,
-    }
+        none = f"the {images:,} training images of a {kind or 'full'} run make no batch of {batch} for each of"
+        largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
+        parser.error(f"--batch-size {batch}: {none} {largest}")
+    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, whole=given.synthetic or max_steps is None)
+    steps = given.synthetic and SYNTHETIC_STEPS or None
+    defaults = dict(epochs=default_epochs, batch_size=default_batch, max_steps=steps)
     return sizes | {"batch_note": note, "defaults": defaults}
 
 
 def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the started processes cannot be the run the flags ask for: srun's or
-    torchrun's counts differ, several SLURM tasks without srun, several machines with no launcher.
-    Every process stops; the first says why."""
+    """One line, exit 2, where the started processes cannot be the run the flags ask for (srun's or torchrun's
+    counts differ, SLURM tasks without srun, machines with no launcher): every process stops, the first says why."""
     env, one = os.environ, "" if takes_devices else " (one process)"
     asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
     job, problem = env.get("SLURM_JOB_NAME"), None
@@ -381,34 +332,24 @@ def check_launch(devices, num_nodes, takes_devices):
 
 
 def unusable_gpu():
-    """Where nvidia-smi lists a GPU that this torch cannot use (a CPU build, or a CUDA build newer than
-    the driver), the line that says so and names the build that fits; else None."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")  # GPUs hidden on purpose: not the build's fault
+    """Where nvidia-smi lists a GPU this torch cannot use (a CPU build, or a CUDA build newer than the
+    driver), the line that says so and names the build that fits; else None (GPUs hidden on purpose too)."""
     smi = shutil.which("nvidia-smi")
-    if hidden or not smi:
+    if not smi or os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
         return None
-    query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
     try:
-        gpu, driver = (
-            subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()[0].split(", ")
-        )
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError):
-        return None  # no GPU listed, or no answer: nothing more to say than that torch sees none
+        query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
+        listed = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()
+        gpu, driver = listed[0].split(", ")
+        major = next(cuda for cuda, (least, _) in CUDA_BUILDS.items() if int(driver.split(".")[0]) >= least)
+    except (OSError, subprocess.SubprocessError, IndexError, ValueError, StopIteration):
+        return None  # no GPU listed, or no build for so old a driver: torch's own line says the rest
     import torch
 
-    cuda = torch.version.cuda
-    fits = [major for major, least in CUDA_DRIVERS.items() if int(driver.split(".")[0]) >= least]
-    install = (
-        f"pip install torch torchvision --index-url https://download.pytorch.org/whl/{CUDA_INDEX[fits[0]]}"
-        if fits
-        else ""
-    )
-    cure = f"install a CUDA {fits[0]} build: {install}" if fits else "update the NVIDIA driver"
-    if fits and cuda and cuda.split(".")[0] == fits[0]:
-        cure = (
-            "the build fits the driver, so check that the driver works (nvidia-smi -q) and that nothing hides the GPU"
-        )
-    build = f"CUDA {cuda} build" if cuda else "CPU build"
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+    cure = f"install a CUDA {major} build: pip install torch torchvision --index-url https://download.pytorch.org/whl/{CUDA_BUILDS[major][1]}"
+    if (torch.version.cuda or "").split(".")[0] == major:  # the build fits: the driver or the machine does not
+        cure = "this build fits the driver: check that the driver works (nvidia-smi -q) and that nothing hides the GPU"
     return f"nvidia-smi sees {gpu} (driver {driver}), but this torch {torch.__version__} ({build}) cannot use it: {cure} (docs/gpu-setup.md)."
 
 
@@ -422,9 +363,8 @@ def cpu_model_and_flags():
 
 
 def native_bf16(device_type):
-    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on; a CPU with AVX512-BF16
-    or AMX (or Arm's bf16), unless ONEDNN_MAX_CPU_ISA caps oneDNN below them, which rehearses such a
-    CPU on any other. With AVX2 alone a 512x512 product ran 110x slower than in float32."""
+    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on; a CPU with AVX512-BF16 or AMX (or Arm's
+    bf16) unless ONEDNN_MAX_CPU_ISA caps oneDNN below them. With AVX2 alone a 512x512 product ran 110x slower."""
     if device_type == "cuda":
         import torch
 
@@ -461,8 +401,6 @@ def fallback_line(config):
     if config.accelerator == "cuda":
         why = " (Fabric's FSDP2 strategy takes no 16-mixed)" if ran == "32-true" and asked == "bf16-mixed" else ""
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: running {ran} instead of {asked}{why}."
-    return (
-        f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX): running {ran} instead of {asked}, "
-        "since emulated bfloat16 runs many times slower than float32; the record says both. What bfloat16 saves in "
-        "time and memory shows on a CPU with AVX512-BF16 or AMX, or a GPU from Ampere on (docs/smoke.md)."
-    )
+    slow = "emulated bfloat16 runs many times slower than float32; the record says both. What bfloat16 saves in time"
+    where = "and memory shows on a CPU with AVX512-BF16 or AMX, or a GPU from Ampere on (docs/smoke.md)."
+    return f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX): running {ran} instead of {asked}, since {slow} {where}"

@@ -1,6 +1,5 @@
-"""RunKeeper: what a numbered script calls to keep its run, around it in a `with` block: checkpoints
-and --resume, Ctrl-C and SIGTERM, one line for a known error, the timing and the record. Every effect
-it has on a run is listed in docs/run-keeping.md."""
+"""RunKeeper, around a lesson's run in a `with` block: checkpoints and --resume, Ctrl-C and SIGTERM, one line for a
+known error, the timing and the record. Every effect it has on a run is listed in docs/run-keeping.md."""
 
 import fcntl
 import json
@@ -29,9 +28,9 @@ PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is c
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
-# A run is busy when its computing thread spent more than this share of its ready time waiting for
-# a core. On an idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7% and
-# 07 9.0%; beside two programs spinning on the cores: 04 49%, 07 50%, 2-4 times slower.
+# A run is busy when its computing thread spent more than this share of its ready time waiting for a core. On an
+# idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7%, 07 9.0%; beside two programs spinning
+# on the cores: 04 49%, 07 50%, 2-4 times slower.
 BUSY_WAIT = 0.25
 # How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
@@ -45,9 +44,8 @@ WHAT_RUNS |= {"smoke-synthetic": "the 3-layer smoke ViT from random init on rand
 
 
 class RunKeeper:
-    """Used as `with RunKeeper(args, fabric) as keeper:` around a script's run; the script calls
-    keep_in_checkpoints() for a scheduler, resume() before training, batch_done() after each
-    batch, checkpoint() after each epoch and finish() at the end: docs/run-keeping.md."""
+    """`with RunKeeper(args, fabric) as keeper:` around a script's run, which calls keep_in_checkpoints(), resume(),
+    batch_done() after each batch, checkpoint() after each epoch and finish(): docs/run-keeping.md."""
 
     def __init__(self, config, fabric=None):
         self.config, self.fabric, self.folder = config, fabric, Path(config.checkpoint_dir)
@@ -77,8 +75,7 @@ class RunKeeper:
         self.deferred = self.deferred or signum
 
     def __exit__(self, kind, error, traceback):
-        """One line and an exit code for an interruption or a known error; a traceback for an error
-        nobody can act on otherwise. Then the run hands back as a Python program ends: docs/run-keeping.md."""
+        """One line and an exit code for an interruption or a known error, else a traceback; then it hands back."""
         on_signals(self.defer_signal)  # a signal from here on changes nothing: noted, said below
         code, message = 0, None
         if kind and issubclass(kind, KeyboardInterrupt):
@@ -90,16 +87,13 @@ class RunKeeper:
         elif self.deferred:  # a signal while the finished run wrote its files, or since
             code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
         self.let_go()
-        if message and self.rank == 0:
-            print(f"\n{self.config.script}: {message}", file=sys.stderr, flush=True)
+        self.say(message and f"\n{self.config.script}: {message}", to=sys.stderr)
         if torch.distributed.is_initialized():  # no gloo thread outlives the interpreter (pytorch#190489)
             torch.distributed.destroy_process_group()
         hand_back()
-        if code is None:
-            return False  # an error nobody can act on but by reading its traceback
         if code:
             raise SystemExit(code) from None
-        return False
+        return False  # finished (0), or an error nobody can act on but by reading its traceback (None)
 
     def let_go(self):
         """The folder let go of, and removed if nothing of the run is left in it."""
@@ -111,14 +105,13 @@ class RunKeeper:
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
 
-    def say(self, *lines):  # on global rank 0 only (fabric.print prints once per machine)
+    def say(self, *lines, to=None):  # on global rank 0 only (fabric.print prints once per machine)
         for line in lines:
             if line and self.rank == 0:
-                print(line, flush=True)
+                print(line, file=to or sys.stdout, flush=True)
 
     def agree(self, action):
-        """`action` in this process, then whether it failed in any: if so, every process exits with
-        the highest code, the failing one having said why."""
+        """`action` here; where it failed in any process, every one exits with the highest code (the failing one said why)."""
         code, result = 0, None
         try:
             result = action()
@@ -135,8 +128,7 @@ class RunKeeper:
         return result
 
     def claim_folder(self):
-        """Process 0 locks the folder; every process reads whether the run continues the one in it.
-        Returns why a launcher restarted the run, or None."""
+        """Process 0 locks the folder; all read whether the run continues the one in it: why a launcher restarted it, or None."""
         if self.rank == 0:
             self.lock = FolderLock(self.folder)
             for leftover in self.folder.glob("*.tmp"):  # a write that was cut off
@@ -148,12 +140,12 @@ class RunKeeper:
             fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
         if c.resume and not exists:
             others = sorted(self.folder.parent.glob(f"{Path(c.script).stem}*/{LATEST}"))
-            hint = "".join(
-                f" {p.parent} holds one: continue it with {resume_command((read_json(p) or {}).get('flags'))}."
+            hint = [
+                f"{p.parent} holds one: continue it with {resume_command((read_json(p) or {}).get('flags'))}."
                 for p in others
-            )
-            shared = " Every machine must see it (--checkpoint-dir)." if c.num_nodes > 1 else ""
-            fail(f"--resume: nothing to resume in {self.folder} (no {LATEST}).{hint}{shared}")
+            ]
+            hint += ["Every machine must see it (--checkpoint-dir)."] if c.num_nodes > 1 else []
+            fail(" ".join([f"--resume: nothing to resume in {self.folder} (no {LATEST}).", *hint]))
         return restart
 
     def start_over(self):
@@ -162,13 +154,11 @@ class RunKeeper:
         parent = empty if self.config.checkpoint_dir_is_default else ""
         return f"start over with: rm -rf {shlex.quote(str(self.folder))}{parent}; {invoked(*started_flags())}"
 
-    def keep_in_checkpoints(self, scheduler):
-        """A learning-rate scheduler whose state each checkpoint keeps and --resume restores."""
+    def keep_in_checkpoints(self, scheduler):  # a learning-rate scheduler, in each checkpoint
         self.scheduler = scheduler
 
     def resume(self, model, optimizer, train_loader):
-        """Before training: with --resume (or a launcher's restart) the last checkpoint's model,
-        optimizer, scheduler, random state and figures, and the loader's order of the next epoch."""
+        """Before training; with --resume (or a launcher's restart), the last checkpoint's state and the loader's order."""
         self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
         self.say(kind_line(self.config, self.init) if self.config.kind else None)
@@ -176,11 +166,8 @@ class RunKeeper:
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
         if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
-            held = torch.zeros(self.world_size, dtype=torch.float64)
-            held[self.rank] = sum(
-                p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in model.parameters()
-            )
-            held = ", ".join(f"{int(n):,}" for n in reduced(self.fabric, held, "sum"))
+            mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+            held = ", ".join(f"{int(n):,}" for n in self.fabric.all_gather(torch.tensor(mine)))
             self.say(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
         if self.resuming:
             rng = self.agree(self.load_checkpoint)
@@ -192,9 +179,8 @@ class RunKeeper:
         self.started = time.perf_counter()  # the loop starts now
 
     def batch_done(self, loss, batch_size):
-        """After each batch, without waiting for the GPU: the epoch's loss sum, checked every
-        PRINT_EVERY batches, and the timing of the steps after the first WARMUP_STEPS and each
-        epoch's first."""
+        """After each batch, without waiting for the GPU: the epoch's loss sum, checked every PRINT_EVERY
+        batches, and the timing of the steps after the first WARMUP_STEPS and each epoch's first."""
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's loss sum, and its first batch whose loss is not finite
             self.epoch_loss, self.first_bad = torch.zeros_like(loss), torch.full_like(loss, -1)
@@ -212,26 +198,24 @@ class RunKeeper:
             self.epoch_images += batch_size
             if self.batch_in_epoch == self.batches_per_epoch:
                 self.timed_images += self.epoch_images
-                self.timed_seconds += synchronized_time(self.config) - self.epoch_timer
+                self.timed_seconds += self.now() - self.epoch_timer
         elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
-            self.epoch_timer, self.epoch_images = synchronized_time(self.config), 0
+            self.epoch_timer, self.epoch_images = self.now(), 0
             if self.steps_this_session == WARMUP_STEPS and self.config.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
 
+    def now(self):  # once the device has done what it was given
+        if self.config.accelerator == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def check_loss(self):
         """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
-        if self.epoch_loss is None:
-            return
         bad = self.first_bad if self.world_size == 1 else reduced(self.fabric, self.first_bad, "max")
         if bad >= 0:
-            value = float(self.epoch_loss) if self.first_bad >= 0 else "not finite in another process"
-            where = f"at epoch {len(self.train_loss) + 1}, batch {int(bad)}"
-            if self.rank == 0:
-                print(
-                    f"{self.config.script}: error: the loss is {value} {where}: stopping; no checkpoint or record written for it.",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            value = f"{self.epoch_loss:g}" if self.first_bad >= 0 else "not finite in another process"
+            stop = f"the loss is {value} at epoch {len(self.train_loss) + 1}, batch {int(bad)}: stopping; no checkpoint or record written for it."
+            self.say(f"{self.config.script}: error: {stop}", to=sys.stderr)
             raise SystemExit(1)
 
     def checkpoint(self, epoch, model, optimizer, val_acc):
@@ -256,8 +240,7 @@ class RunKeeper:
                 f.write("5")
 
     def timed_totals(self):
-        """Timed images of all processes (a tensor-parallel group's once) and the slowest process's
-        seconds, with those before a --resume."""
+        """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, and before a --resume."""
         images, seconds = float(self.timed_images), self.timed_seconds
         if self.fabric and self.world_size > 1:
             images = float(reduced(self.fabric, images, "sum")) * self.config.data_parallel / self.world_size
@@ -292,11 +275,7 @@ class RunKeeper:
             on_signals(self.defer_signal)  # the checkpoint named whole: the interruption line is true at any moment
             if self.rank == 0:
                 os.replace(partial, final)
-                env = os.environ  # a requeued job, a torchrun restart: the same launch ids
-                launch = {
-                    "slurm_job_id": env.get("SLURM_JOB_ID"),
-                    "torchelastic_run_id": env.get("TORCHELASTIC_RUN_ID"),
-                }
+                launch = {k.lower(): os.environ.get(k) for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}  # a restart's
                 latest = {"checkpoint": name, "epochs_done": done, "script": c.script, "kind": c.kind, "launch": launch}
                 latest |= {"settings": {key: getattr(c, key) for key in SETTINGS} | c.own, "flags": started_flags()}
                 write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
@@ -329,9 +308,8 @@ class RunKeeper:
         differences = [f"{key} {theirs.get(key)} (now {v})" for key, v in mine.items() if theirs.get(key) != v]
         as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
         if differences:
-            fail(
-                f"--resume: the checkpoint in {self.folder} was made with {', '.join(differences)}; {as_started}; or {start_over}"
-            )
+            made = f"the checkpoint in {self.folder} was made with {', '.join(differences)}"
+            fail(f"--resume: {made}; {as_started}; or {start_over}")
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
         try:
@@ -345,9 +323,8 @@ class RunKeeper:
             why = why_unloadable(err)
             if "damaged" in why or "not a file" in why:
                 fail(f"--resume: cannot load {path} ({why}); {start_over}")
-            fail(
-                f"--resume: {path} does not fit what this script builds ({why}): it was made by another script or version; {as_started}"
-            )
+            other = "it was made by another script or version"
+            fail(f"--resume: {path} does not fit what this script builds ({why}): {other}; {as_started}")
         progress, self.last = state["progress"], path
         self.start_epoch = self.kept = progress["epochs_done"]
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
@@ -369,15 +346,19 @@ class RunKeeper:
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
-        self.say(closing_lines(train_time_s, peak, images_per_s, test_acc, waited, self.checkpoint_s))
-        measured = {
-            "train_time_s": round(train_time_s, 3),
-            "images_per_s": images_per_s,
-            "peak_memory_gb": round(peak, 4),
-        }
-        measured |= {"train_loss": self.train_loss, "lr": self.lr, "val_acc": None if c.synthetic else self.val_acc}
+        untimed = f"Throughput not measured (a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed)"
+        lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {peak:.02f} GB"]  # the talk's, then ours
+        lines += [f"Throughput {images_per_s:.1f} training images/s" if images_per_s else untimed]
+        lines += ["Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"]
+        written = (
+            f"Checkpoints: {len(self.checkpoint_s)} written in {sum(self.checkpoint_s):.1f} s, not in the time above"
+        )
+        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program was using the cores): its time and throughput are not comparable"
+        self.say(*lines, written if self.checkpoint_s else None, busy if waited > BUSY_WAIT else None)
+        measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s, peak_memory_gb=round(peak, 4))
+        measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if c.synthetic else self.val_acc)
         cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # what the machine's load does not change
-        measured |= {"test_acc": test_acc, "busy": waited > BUSY_WAIT, "cpu_s": cpu_s}
+        measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
 
         def keep():
             if self.rank == 0:
@@ -414,19 +395,16 @@ class RunKeeper:
 
 
 def explain(error, config, rank, world_size, last_checkpoint):
-    """(one line, exit code) for an error a user can act on, or None: torch.compile without its
-    compiler (2) or failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
+    """(one line, exit code) for an error a user can act on, or None: torch.compile without its compiler (2) or
+    failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
     reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
         while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
             error = getattr(error, "inner_exception", None) or error.__cause__
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
-            needs = (
-                "Triton and a C compiler (install gcc)"
-                if config.accelerator == "cuda"
-                else "a C++ compiler (install g++)"
-            )
+            needs = "a C++ compiler (install g++)"
+            needs = "Triton and a C compiler (install gcc)" if config.accelerator == "cuda" else needs
             return f"error: torch.compile could not compile the model ({reason}): here it needs {needs}, {without}.", 2
         return f"error: torch.compile failed ({type(error).__name__}: {first_line(error)}); {without}.", 1
     if isinstance(error, torch.OutOfMemoryError):
@@ -494,49 +472,39 @@ def remove(path):
 
 
 def restart_reason(latest):
-    """Why this process is the run that wrote `latest`, started again by its launcher, or None: a
-    user at a terminal is not let into an unfinished run without --resume."""
+    """Why this process is the run that wrote `latest`, started again by its launcher, or None (a user at a
+    terminal is not let into an unfinished run without --resume)."""
     env, launch = os.environ, latest.get("launch") or {}
-    if int(env.get("SLURM_RESTART_COUNT", "0")) > 0 and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
-        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {env['SLURM_RESTART_COUNT']})"
-    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts > 0 and env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
-        return f"torchrun restarted its workers (restart {restarts})"
+    slurm, torchrun = int(env.get("SLURM_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if slurm and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
+        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {slurm})"
+    if torchrun and env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
+        return f"torchrun restarted its workers (restart {torchrun})"
     return None
 
 
-def synchronized_time(config):
-    if config.accelerator == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def cpu_times():
-    """(seconds run, seconds waited for a core) of the calling thread, the one that computes
-    (Linux's schedstat; None elsewhere). Over all threads the run's own helpers would count too."""
+    """(seconds run, seconds waited for a core) of the calling thread, the one that computes (Linux's schedstat)."""
     try:
-        ran, waited = Path("/proc/thread-self/schedstat").read_text().split()[:2]
-        return int(ran) / 1e9, int(waited) / 1e9
+        return tuple(int(n) / 1e9 for n in Path("/proc/thread-self/schedstat").read_text().split()[:2])
     except (OSError, ValueError):
-        return None
+        return 0.0, 0.0
 
 
 def waiting_share(since):
-    """The share of its ready time since `since` the thread waited for a core; -1 if unknown."""
-    now = cpu_times()
-    if now is None or since is None:
-        return -1.0
-    ran, waited = now[0] - since[0], now[1] - since[1]
+    """The share of its ready time since `since` (cpu_times) the thread waited for a core."""
+    ran, waited = (now - then for now, then in zip(cpu_times(), since))
     return waited / (waited + ran) if waited + ran > 0 else 0.0
 
 
 def opening_line(fabric, rank, world_size):
     env = os.environ
     cluster = type(fabric.strategy.cluster_environment).__name__ if world_size > 1 else None
-    by = {
-        "SLURMEnvironment": f"SLURM (job {env.get('SLURM_JOB_ID')}, srun task {env.get('SLURM_PROCID')})",
-        "TorchElasticEnvironment": f"torchrun (node {env.get('GROUP_RANK', '0')}, local rank {env.get('LOCAL_RANK')})",
-    }.get(cluster, "Lightning, which started this machine's processes itself" if world_size > 1 else None)
+    by = "Lightning, which started this machine's processes itself" if world_size > 1 else None
+    if cluster == "SLURMEnvironment":
+        by = f"SLURM (job {env.get('SLURM_JOB_ID')}, srun task {env.get('SLURM_PROCID')})"
+    elif cluster == "TorchElasticEnvironment":
+        by = f"torchrun (node {env.get('GROUP_RANK', '0')}, local rank {env.get('LOCAL_RANK')})"
     if env.get("SLURM_JOB_NAME") in INTERACTIVE and cluster != "SLURMEnvironment":
         job, name = env.get("SLURM_JOB_ID"), env["SLURM_JOB_NAME"]
         by = (by or "you") + f", inside SLURM job {job}, whose name {name!r} makes Lightning ignore SLURM"
@@ -547,18 +515,3 @@ def kind_line(config, init):
     what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
     run = f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}."
     return f"{run} Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
-
-
-def closing_lines(train_time_s, memory_gb, images_per_s, test_acc, waited, checkpoint_s):
-    """The talk's closing lines, ours (throughput, accuracy), and one where the run had to share the CPU."""
-    lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {memory_gb:.02f} GB"]
-    untimed = f"(a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed)"
-    measured = f"Throughput {images_per_s:.1f} training images/s" if images_per_s else None
-    lines.append(measured or f"Throughput not measured {untimed}")
-    lines.append("Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%")
-    if checkpoint_s:
-        lines.append(f"Checkpoints: {len(checkpoint_s)} written in {sum(checkpoint_s):.1f} s, not in the time above")
-    if waited > BUSY_WAIT:
-        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program"
-        lines.append(busy + " was using the cores): its time and throughput are not comparable")
-    return "\n".join(lines)

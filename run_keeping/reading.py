@@ -126,6 +126,17 @@ def whole(record):
     return record["max_steps"] is None or "synthetic" in record["kind"]
 
 
+def lesson_flags(script):
+    """A lesson's own flags as its script declares them: [(its names, {keyword: its source})], for the tools."""
+    import ast
+
+    calls = [n for n in ast.walk(ast.parse(Path(ROOT / script).read_text())) if isinstance(n, ast.Call)]
+    own = [c for c in calls if ast.unparse(c.func).endswith("add_argument") and c.args]
+    return [
+        ([getattr(a, "value", None) for a in c.args], {k.arg: ast.unparse(k.value) for k in c.keywords}) for c in own
+    ]
+
+
 @functools.cache
 def said_of(script):
     """What a project lesson's script says of itself (config.read_script), for a record before version 5."""
@@ -144,7 +155,9 @@ def upgrade(record) -> dict[str, Any]:
         old["compile_mode"] = "default" if old.get("compiled") else None
     if "settings" not in old:  # to version 3, 10's --tensor-parallel was a field of every record
         tp = old.pop("tensor_parallel_size", None)
-        declared = [names[0] for names, _ in said_of(old.get("script"))["flags"]]
+        declared = (
+            [names[0] for names, _ in lesson_flags(old["script"])] if (ROOT / str(old.get("script"))).is_file() else []
+        )
         old["settings"] = {"tensor_parallel": tp} if "--tensor-parallel" in declared else {}
     if (old.get("record_version") or 0) < 5:  # to version 4, settings were by dest, and these not kept
         old["settings"] = {"--" + key.replace("_", "-"): value for key, value in (old["settings"] or {}).items()}

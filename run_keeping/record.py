@@ -1,9 +1,6 @@
-"""A run's two outputs: the record, the one JSON line a finished run appends to --results, and the
-model file, a plain state dict of torchvision's VisionTransformer.
-
-The record's fields and types are reading.Record's, built here (build) in its order, and read by every
-tool through reading.read_runs. A failed write is one line and exit 1; files are whole or absent.
-"""
+"""A run's two outputs: the record, the JSON line a finished run appends to --results (reading.Record's
+fields, built here in its order), and the model file, a state dict of torchvision's VisionTransformer.
+A failed write is one line and exit 1; files are whole or absent."""
 
 import fcntl
 import importlib.metadata
@@ -28,10 +25,8 @@ def build(config, fabric, compiled, measured):
     record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
     record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
     record |= {"data_parallel": c.data_parallel, "settings": c.own, "precision": ran}
-    record |= {
-        "precision_asked": c.precision_asked or ran,
-        "compile_mode": (c.compile_mode or "default") if compiled else None,
-    }
+    record |= {"precision_asked": c.precision_asked or ran}
+    record |= {"compile_mode": (c.compile_mode or "default") if compiled else None}
     record |= {"model": "smoke ViT" if c.smoke else c.vit, "batch_size": c.batch_size, "micro_batches": c.micro_batches}
     record |= {"seed": c.seed, "max_steps": c.max_steps, **measured, "model_file": str(c.save_model)}
     record |= {"torch": torch.__version__, "lightning": importlib.metadata.version("lightning")}
@@ -58,17 +53,13 @@ def append_record(path, record, then=""):
     except OSError as err:
         if size is not None:
             os.ftruncate(fd, size)
-        fail(
-            f"cannot write the run record to {path}: {err.strerror}; the earlier records are as they were.{then}",
-            code=1,
-        )
+        fail(f"cannot write the run record to {path}: {err.strerror}; the earlier records are as they were.{then}", 1)
     finally:
         os.close(fd)  # and with it the lock
 
 
 def write_whole(path, data):
-    """`data` (bytes, or what torch.save writes) to `path` through os.write until all of it is written,
-    then to the disk (fsync)."""
+    """`data` (bytes, or what torch.save writes) to `path`, all of it (os.write), then to the disk (fsync)."""
     if not isinstance(data, bytes):
         import torch
 
@@ -86,8 +77,8 @@ def write_whole(path, data):
 
 
 def write_atomically(path, data, then="nothing else was changed"):
-    """`data` (as write_whole takes it) to `path`, written beside it and renamed into place. A failed write: one line, exit 1,
-    ending in `then` (what was kept, how to go on)."""
+    """`data` (as write_whole takes it) to `path`, written beside it and renamed into place. A failed write:
+    one line, exit 1, ending in `then` (what was kept, how to go on)."""
     path = Path(path)
     partial = path.with_name(path.name + ".tmp")
     try:

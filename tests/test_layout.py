@@ -139,8 +139,8 @@ def private_names(path):
 
 
 # What a lesson's run may read: at most this many of the project's files and lines, besides
-# parallelize.py, which only the sharded lessons import. The goal is 1,200 lines.
-RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 5, 1305, ROOT / "parallelize.py"
+# parallelize.py, which only the sharded lessons import (their sixth file).
+RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 5, 1200, ROOT / "parallelize.py"
 
 
 def test_what_a_lesson_runs_on_is_small_formatted_and_public():
@@ -174,14 +174,14 @@ def test_nothing_acts_behind_a_lessons_back():
 
 
 def test_run_keeping_is_a_few_modules_one_concern_each():
-    """At most 7 modules, each saying its concern in the package's docstring; none reaches into
+    """At most 7 modules, each named with its concern in docs/run-keeping.md; none reaches into
     another's object: no function outside keeper.py takes the keeper, and the only functions
     handed a callable are those whose work is to run one (processes.together, signal.signal,
     atexit)."""
     modules = sorted(p for p in (ROOT / "run_keeping").glob("*.py") if p.name != "__init__.py")
     assert len(modules) <= 7, [p.name for p in modules]
-    listing = (ROOT / "run_keeping" / "__init__.py").read_text().split('"""')[1]
-    assert all(re.search(rf"^    {p.name}\s", listing, re.M) for p in modules)
+    listing = (ROOT / "docs" / "run-keeping.md").read_text()
+    assert all(re.search(rf"`{p.name}` \(", listing) for p in modules), "name each module of run_keeping/ in docs/run-keeping.md"
     for path in modules:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

@@ -248,10 +248,10 @@ def epochs():
 
 def lesson_flags():
     """docs/flags-records-exit-codes.md: each lesson's own flags, as its script declares them (add_argument)."""
-    from run_keeping.config import read_script
+    from run_keeping.reading import lesson_flags
     rows = []
     for script in (script for script, row in lessons().items() if row["epochs"]):  # 08 is a program of its own
-        for names, keywords in read_script(ROOT / script)["flags"]:
+        for names, keywords in lesson_flags(script):
             takes = [f"`{k}={v}`" for k, v in keywords.items() if k in ("type", "choices", "action", "nargs", "dest")]
             default = "off" if "store_true" in keywords.get("action", "") else keywords.get("default", "None")
             rows.append([f"`{', '.join(map(str, names))}`", script[:2], ", ".join(takes), f"`{default}`",
