@@ -10,6 +10,7 @@ a whole report. A configuration that fails is a row saying why; the rest go on (
     python -m benchmarks.gpu_check --help   # what gpu_check.sh runs, with the suite on the path
 """
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -82,7 +83,7 @@ class Check:
         if gpus is None:
             import torch
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        self.gpus, self.gpu = gpus, gpu_line()
+        self.gpus, self.gpu = gpus, gpu_line(args.smoke)
         self.costs = {}    # kind: {key: [seconds of each run]}
         self.stages = []   # (name, title, state, text) of each stage done
         self.failed = 0
@@ -122,15 +123,20 @@ def compiles(script, size):
     return read_script(ROOT / script)["compile_mode"] is not None and (size == "full" or not conditional)
 
 
-def gpu_line():
-    """The GPU's name, driver and memory as nvidia-smi gives them, or that there is none."""
+def gpu_line(smoke):
+    """The GPU the check measures, its name, driver and memory as nvidia-smi gives them (the first that
+    CUDA_VISIBLE_DEVICES lets the scripts see); or, at --smoke or where no GPU is seen, that none is used."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if smoke or visible in ("", "-1"):
+        return "no NVIDIA GPU used: a CPU run"
+    which = ["-i", visible.split(",")[0]] if visible else []
     try:
-        proc = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+        proc = subprocess.run(["nvidia-smi", *which, "--query-gpu=name,driver_version,memory.total",
                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
         line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
     except (OSError, subprocess.TimeoutExpired):
         line = ""
-    return line or "no NVIDIA GPU: a CPU run"
+    return line or "no NVIDIA GPU used: a CPU run"
 
 
 def stage_scripts(name):

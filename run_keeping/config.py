@@ -70,12 +70,13 @@ def on_signals(handler):
         signal.signal(signum, handler)
 
 
-def hand_back():
-    """As a run ends: Python's own handlers again, for whoever ran the script (a prompt, a notebook, a
-    debugger); as the interpreter exits, both signals ignored, so none kills it while it shuts down."""
+def hand_back(guard=True):
+    """As a run ends: Python's own handlers again, for whoever ran the script (a prompt, a notebook, a debugger);
+    `guard`: as the interpreter exits, both signals ignored, so that none changes a documented exit code."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    atexit.register(on_signals, signal.SIG_IGN)
+    if guard:
+        atexit.register(on_signals, signal.SIG_IGN)
 
 
 def stop_while_starting(signum, frame=None):
@@ -303,8 +304,7 @@ def settle_sizes(given, parser, kind, places):
 
 
 def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the started processes cannot be the run the flags ask for (srun's or torchrun's
-    counts differ, SLURM tasks without srun, machines with no launcher): every process stops, the first says why."""
+    """One line, exit 2, where the started processes cannot be the run the flags ask for: all stop, the first says why."""
     env, one = os.environ, "" if takes_devices else " (one process)"
     asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
     job, problem = env.get("SLURM_JOB_NAME"), None

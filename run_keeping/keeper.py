@@ -88,9 +88,11 @@ class RunKeeper:
             code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
         self.let_go()
         self.say(message and f"\n{self.config.script}: {message}", to=sys.stderr)
-        if torch.distributed.is_initialized():  # no gloo thread outlives the interpreter (pytorch#190489)
+        if torch.distributed.is_initialized():  # no gloo work or thread left for the shutdown (pytorch#190489)
+            if code == 0:  # every process is here: the collectives still in flight (the state dict's) end first
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
-        hand_back()
+        hand_back(guard=code is not None)  # after a traceback, Ctrl-C ends the process as in any program
         if code:
             raise SystemExit(code) from None
         return False  # finished (0), or an error nobody can act on but by reading its traceback (None)
@@ -166,8 +168,9 @@ class RunKeeper:
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
         self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
         if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
-            mine = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-            held = ", ".join(f"{int(n):,}" for n in self.fabric.all_gather(torch.tensor(mine)))
+            held = torch.zeros(self.world_size, dtype=torch.float64)
+            held[self.rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+            held = ", ".join(f"{int(n):,}" for n in reduced(self.fabric, held, "sum"))
             self.say(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
         if self.resuming:
             rng = self.agree(self.load_checkpoint)
@@ -332,8 +335,7 @@ class RunKeeper:
         return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
-        """The talk's closing lines, the model file, the run record; then the checkpoints go. From here
-        a signal is noted, not raised: the run ends finished, and __exit__ says so and exits 130 or 143."""
+        """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         on_signals(self.defer_signal)  # all or nothing: a signal waits until the files are written
@@ -389,14 +391,12 @@ class RunKeeper:
         elif batches:
             losing = f"; the {batches} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            held = f"the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}"
-            return f"interrupted ({name}); {held}; continue with: {resume_command()}"
+            return f"interrupted ({name}); the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
 
 def explain(error, config, rank, world_size, last_checkpoint):
-    """(one line, exit code) for an error a user can act on, or None: torch.compile without its compiler (2) or
-    failing otherwise (1), a GPU out of memory (1), a process of the run lost (3)."""
+    """(one line, exit code) for an error a user can act on (flags-records-exit-codes.md), or None."""
     reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
         while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
@@ -472,8 +472,7 @@ def remove(path):
 
 
 def restart_reason(latest):
-    """Why this process is the run that wrote `latest`, started again by its launcher, or None (a user at a
-    terminal is not let into an unfinished run without --resume)."""
+    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM, torchrun), or None."""
     env, launch = os.environ, latest.get("launch") or {}
     slurm, torchrun = int(env.get("SLURM_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if slurm and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):

@@ -88,7 +88,9 @@ class Record(TypedDict):
     devices: int
     world_size: int
     data_parallel: int  # the processes over those that hold one replica between them (10's --tensor-parallel)
-    settings: dict[str, Any]  # the lesson's own: its flags, by their names, defaults included
+    settings: dict[
+        str, bool | int | float | str | list | None
+    ]  # the lesson's own flags, as JSON has them, defaults included
     precision: str  # as it ran
     precision_asked: str  # what the script's Fabric(...) asks for
     compile_mode: str | None

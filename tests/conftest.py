@@ -25,6 +25,10 @@ sys.path.insert(0, str(ROOT))
 # a test starts sees no GPU (CUDA reads this when first used). The GPU's paths are rehearsed with
 # torch.cuda's answers stood in for (tests/test_cuda_paths.py, tests/test_gpu_rehearsal.py).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# And it runs as on a GPU machine whatever the host has: a GPU machine's nvidia-smi first on PATH, here and for
+# every program it starts, so that a check reading the host's GPU tools fails on any machine, this one included.
+GPU_MACHINE = ROOT / "tests" / "gpu_machine"
+os.environ["PATH"] = f"{GPU_MACHINE}{os.pathsep}{os.environ['PATH']}"
 from run_keeping.config import read_script
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)

@@ -205,7 +205,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     out = tmp_path / "results" / "gpu-check"  # its outputs' folder: under the folder it ran in
     assert "preflight: every module the scripts import is there." in proc.stderr
     report = (out / "gpu-check.md").read_text()
-    assert report.startswith("## GPU check, ") and "no NVIDIA GPU: a CPU run; GPUs the scripts see: 0" in report
+    assert report.startswith("## GPU check, ") and "no NVIDIA GPU used: a CPU run; GPUs the scripts see: 0" in report
     records = read_records(out / "gpu-check.jsonl")
     assert [(r["script"][:2], r["batch_size"], r["compile_mode"]) for r in records] == [
         ("16", 16, "reduce-overhead"), ("09", 128, None)]  # 09 compiles on a GPU
@@ -428,6 +428,7 @@ def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path,
     smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 570.86.15, 143771 MiB'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the GPU the scripts see, as on a GPU machine
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     args = gpu_check.parse_args(["--out", str(tmp_path)])

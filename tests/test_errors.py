@@ -228,3 +228,41 @@ def test_another_compile_error_is_said_as_itself():
     message, code = explain(err, config, 0, 1, None)
     assert code == 1 and "AssertionError: the graph's output has no strides" in message, message
     assert "compiler" not in message.split(";")[0] and "install" not in message
+
+
+NO_SUCH_GPU = "GPU-00000000-0000-0000-0000-000000000000"  # torch sees no GPU on any host; nvidia-smi (stood in) an H100
+
+
+@pytest.mark.parametrize("driver", ["550.54.15", "580.65.06"])
+def test_a_gpu_torch_cannot_use_is_said_with_the_build_that_fits(driver, monkeypatch):
+    """nvidia-smi lists an H100 and torch sees none: the line names the GPU, the driver, this torch's build
+    and the install that fits the driver (CUDA 12 from 525, 13 from 580), or that the build fits already;
+    GPUs hidden on purpose (CUDA_VISIBLE_DEVICES empty) are not the build's doing."""
+    import torch
+    from run_keeping.config import unusable_gpu
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", NO_SUCH_GPU)
+    monkeypatch.setenv("HOOK_NVIDIA_DRIVER", driver)
+    line = unusable_gpu()
+    fits = "13" if driver.startswith("580") else "12"
+    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
+    assert line and line.startswith(f"nvidia-smi sees NVIDIA H100 80GB HBM3 (driver {driver}), but this torch "
+                                    f"{torch.__version__} ({build}) cannot use it: ") and line.endswith("(docs/gpu-setup.md).")
+    if (torch.version.cuda or "").split(".")[0] == fits:
+        assert "this build fits the driver" in line
+    else:
+        index = {"13": "cu130", "12": "cu126"}[fits]
+        assert f"install a CUDA {fits} build: pip install torch torchvision --index-url https://download.pytorch.org/whl/{index}" in line
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert unusable_gpu() is None
+
+
+@pytest.mark.slow
+def test_04_on_a_gpu_torch_cannot_use_stops_in_that_one_line(tmp_path):
+    """`python 04_fabric-vit-mixed-precision.py` where nvidia-smi lists a GPU that this torch cannot use: one
+    line, exit 2, before any work."""
+    env = script_env(tmp_path, CUDA_VISIBLE_DEVICES=NO_SUCH_GPU, HOOK_NVIDIA_DRIVER="550.54.15")
+    proc = run_script("04_fabric-vit-mixed-precision.py", cwd=tmp_path, env=env)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert lines[0].startswith("04_fabric-vit-mixed-precision.py: error: nvidia-smi sees NVIDIA H100 80GB HBM3 (driver 550.54.15)")
+    assert not list(tmp_path.iterdir())

@@ -252,31 +252,38 @@ def test_the_pages_talk_about_the_suite_not_how_it_was_made(page):
         pytest.fail(f"{page} says {phrase!r}")
 
 
-NEW_LESSON = "17_fabric-vit-gradient-clipping.py"
-# A contributor's lesson with a flag new to the project, declared in its row alone (docs/adding-a-lesson.md):
-# 11 plus gradient clipping, in the sequel's memory table and the GPU check's sequel stage.
-NEW_ROW = (f"{NEW_LESSON},+ gradient clipping (a contributor's),\"against 11: fabric.clip_gradients(model, optimizer, "
-           'max_norm=args.max_norm) after each backward",11,2,3,1,1,bf16-true,single-device,,sequel,sequel,,,,,,,'
-           "--max-norm type=float default=1.0 above=0 help='the largest norm of the gradients',Adam,\n")
-BACKWARD = "            fabric.backward(loss)  # [03] instead of loss.backward()\n"
-CLIPPING = "            fabric.clip_gradients(model, optimizer, max_norm=args.max_norm)  # [17] new: the gradients' norm at most --max-norm\n"
+NEW_LESSON = "17_fabric-vit-channels-last.py"
+# A contributor's lesson with a switch of its own, its row in the talk's memory table and the GPU check's first
+# stage, measured with its switch on (docs/adding-a-lesson.md): 04 plus channels-last weights.
+NEW_ROW = (f"{NEW_LESSON},+ channels-last (a contributor's),04,2,3,1,1,single-device,talk,headline,--channels-last,"
+           ",,,,,,Adam,\n")
+
+
+def lines_of_the_page(tag):
+    """The lines docs/adding-a-lesson.md's Python blocks give, tagged `tag`, as the page shows them."""
+    page = (ROOT / "docs" / "adding-a-lesson.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if f"# [{tag}]" in line]
 
 
 @pytest.mark.slow
 def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
-    """A contributor's lesson 17 (11 plus gradient clipping, with a flag of its own, --max-norm),
-    added to a copy of the project by docs/adding-a-lesson.md alone: the script, one row of
-    lessons.csv, `python tools/figures.py`. Then the whole quick tier passes on the copy; --help
-    has its technique and flag, the flags page its table row; the GPU check's plan and the memory
-    tables take it from its row, and every stage title holds for it; two --smoke runs with
-    different values leave two model files and two records, which plot_results.py keeps apart; an
-    untagged change, or no row, is refused saying what to do."""
+    """A contributor's lesson 17 (04 plus a switch of its own, --channels-last), added to a copy of the
+    project by docs/adding-a-lesson.md alone: its lines from the page's blocks, one row of lessons.csv that
+    measures it with the switch on, `python tools/figures.py`. Then the whole quick tier passes on the copy;
+    --help and the flags page show the switch; the GPU check's plan and the talk's memory table run it with
+    the switch; two --smoke runs, without and with it, leave two model files and two records, which
+    plot_results.py keeps apart, each row saying the switch; an untagged change, or no row, is refused saying
+    what to do."""
     copy = tmp_path / "project"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "results", "models", "checkpoints"))
     subprocess.run(["git", "init", "-q"], cwd=copy, check=True)  # a contributor's clone: .gitignore in force
-    base = (copy / "11_fabric-vit-bf16-true.py").read_text()
-    assert BACKWARD in base
-    lesson = base.replace(BACKWARD, BACKWARD + CLIPPING, 1)
+    switch, channels_last = lines_of_the_page("17")
+    base = (copy / "04_fabric-vit-mixed-precision.py").read_text()
+    head = "        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)\n"
+    assert head in base and "    args = parser.parse_args()\n" in base
+    lesson = base.replace("    args = parser.parse_args()\n", f"    {switch}\n    args = parser.parse_args()\n", 1)
+    lesson = lesson.replace(head, f"{head}        {channels_last}\n", 1)
     (copy / NEW_LESSON).write_text(lesson)
     with open(copy / "lessons.csv", "a") as f:
         f.write(NEW_ROW)
@@ -287,27 +294,28 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     quick = run("-m", "pytest", "-q", "-m", "not slow")
     assert quick.returncode == 0, quick.stdout[-3000:]
     helped = " ".join(run(NEW_LESSON, "--help").stdout.split())
-    assert "gradient clipping (a contributor's)" in helped and "--max-norm X the largest norm of the gradients" in helped
-    assert "| `--max-norm X` | 17 | float, above 0 | 1.0 |" in (copy / "docs" / "flags-records-exit-codes.md").read_text()
+    assert "[17] new: its switch." in helped and "--channels-last the images and weights in channels-last" in helped
+    flags_page = (copy / "docs" / "flags-records-exit-codes.md").read_text()
+    assert "| `--channels-last` | 17 | `action='store_true'` | `off` | the images and weights in channels-last" in flags_page
     plan = subprocess.run(["bash", "gpu_check.sh", "--plan"], cwd=copy, capture_output=True, text=True, timeout=300)
-    title = next(line for line in plan.stdout.splitlines() if ". sequel: " in line)
-    assert "11, 12, 13, 14, 17 on ViT-L/16, each beside the sequel's published GB where it has one" in title, plan.stdout
-    memory_lines = [line for line in plan.stdout.splitlines() if line.startswith("benchmark.py --memory --sequel")]
-    assert len(memory_lines) == 1 and "17 on ViT-L/16, 1 process(es)" in memory_lines[0], plan.stdout
-    # two smoke runs of other values of its flag: two model files, two records, two rows
-    for value in ("1.0", "0.01"):
-        ran = run(NEW_LESSON, "--smoke", "--epochs", "1", "--max-norm", value)
+    first = plan.stdout.split("\n2. ")[0]
+    assert "17 at batch 16 (with --channels-last)" in first, plan.stdout
+    talk = next(line for line in plan.stdout.splitlines() if line.startswith("benchmark.py --memory --talk"))
+    assert "17 on ViT-B/16, 1 process(es) (with --channels-last)" in talk, plan.stdout
+    # the switch off and on: two model files, two records, two rows
+    for flags in ([], ["--channels-last"]):
+        ran = run(NEW_LESSON, "--smoke", "--epochs", "1", *flags)
         assert ran.returncode == 0, ran.stderr[-2000:]
     assert sorted(p.name for p in (copy / "models").iterdir()) == [
-        "17_fabric-vit-gradient-clipping-smoke-epochs1-max-norm0.01.pt", "17_fabric-vit-gradient-clipping-smoke-epochs1.pt"]
+        "17_fabric-vit-channels-last-smoke-epochs1-channels-last.pt", "17_fabric-vit-channels-last-smoke-epochs1.pt"]
     records = [json.loads(line) for line in (copy / "results" / "runs.jsonl").read_text().splitlines()]
-    assert [r["settings"] for r in records] == [{"max_norm": 1.0}, {"max_norm": 0.01}]
+    assert [r["settings"] for r in records] == [{"--channels-last": False}, {"--channels-last": True}]
     charted = run("plot_results.py", "--smoke")
     rows = [line for line in charted.stdout.splitlines() if line.startswith(NEW_LESSON)]
     assert charted.returncode == 0 and len(rows) == 2, charted.stdout + charted.stderr
-    assert sorted("--max-norm 0.01" in row for row in rows) == [False, True], rows  # its own row, said
+    assert sorted("no --channels-last" in row for row in rows) == [False, True], rows  # each row says it
     # an untagged change: the tag check fails, naming the line and what to do
-    (copy / NEW_LESSON).write_text(lesson.replace("  # [17] new: the gradients' norm at most --max-norm", "", 1))
+    (copy / NEW_LESSON).write_text(lesson.replace("  # [17] new: its switch", "", 1))
     untagged = run("-m", "pytest", "-q", "-n", "0", "-m", "not slow", "tests/test_scripts.py", "-k", "tagged and 17_fabric")
     assert untagged.returncode == 1 and "end each line 17 changes with # [17] new" in untagged.stdout, untagged.stdout[-2000:]
     # no row: plot_results.py and the layout check say to add it

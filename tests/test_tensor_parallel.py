@@ -39,8 +39,8 @@ def one_process_run(smoke_runs):
 @pytest.mark.slow
 def test_the_split_is_the_same_maths(smoke_runs, one_process_run):
     tp2, tp1 = smoke_runs(TP).record, one_process_run
-    assert (tp2["settings"], tp2["world_size"]) == ({"tensor_parallel": 2}, 2)  # 10's own setting, from its row
-    assert (tp1["settings"], tp1["world_size"]) == ({"tensor_parallel": 1}, 1)
+    assert (tp2["settings"], tp2["world_size"]) == ({"--tensor-parallel": 2}, 2)  # 10's own flag, from its script
+    assert (tp1["settings"], tp1["world_size"]) == ({"--tensor-parallel": 1}, 1)
     assert tp1["model_file"].endswith("-tensor-parallel1.pt") and tp2["model_file"].endswith("-smoke.pt")
     # both processes of the pair train on the same batch of 16: as many steps as one process
     assert tp2["batch_size"] == tp1["batch_size"] == SMOKE_GLOBAL_BATCH
@@ -80,7 +80,7 @@ def test_two_tensor_parallel_pairs_split_the_batch_between_them(tmp_path):
                       cwd=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
-    assert (record["settings"], record["world_size"], record["batch_size"]) == ({"tensor_parallel": 2}, 4, 8)
+    assert (record["settings"], record["world_size"], record["batch_size"]) == ({"--tensor-parallel": 2}, 4, 8)
     assert "Batch 0000/0008" in proc.stdout  # 8 steps of 8 per replica
     said = next(line for line in proc.stdout.splitlines() if line.startswith("Parameters held per process: "))
     held = [int(n.replace(",", "")) for n in said.split(": ")[1].split(" of ")[0].split(", ")]

@@ -1,0 +1,127 @@
+"""A run ends as a Python program ends (docs/run-keeping.md, "Exit"): after the `with` block, finished,
+refused or failed, control returns to whoever ran the script (IPython's %run, `python -i`, the code after
+the block), with the documented exit code; a signal while the interpreter shuts down changes nothing;
+Ctrl-C after an unexpected error still ends the process; a NaN in one process stops them all."""
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, kill_group, run_script, script_env
+
+LESSON = "04_fabric-vit-mixed-precision.py"
+SHORT = ["--smoke", "--max-steps", "2", "--epochs", "1"]
+
+
+@pytest.mark.slow
+def test_ipython_and_python_i_get_control_back(tmp_path):
+    """In IPython, a %run refused in one line (exit 2) and a %run that trains to its end each hand back,
+    and the session's next line runs; `python -i` reaches its prompt after a run."""
+    cell = (f"%run {ROOT / LESSON} --smoke --resume\n%run {ROOT / LESSON} {' '.join(SHORT)}\n"
+            "print('the next line ran')\n")
+    ipython = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "-c", cell], cwd=tmp_path,
+                             env=script_env(tmp_path), capture_output=True, text=True, timeout=300)
+    out = ipython.stdout + ipython.stderr
+    assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
+    assert "Run record appended to results/runs.jsonl" in out and out.rstrip().endswith("the next line ran"), out[-3000:]
+    interactive = subprocess.run([sys.executable, "-i", str(ROOT / LESSON), *SHORT], cwd=tmp_path, env=script_env(tmp_path),
+                                 input="print('the prompt was reached')\n", capture_output=True, text=True, timeout=300)
+    assert "the prompt was reached" in interactive.stdout and "Run record appended" in interactive.stdout, interactive.stderr
+
+
+# At the interpreter's exit, after the keeper's own exit handler (registered later, so run earlier), this one
+# sends the process SIGTERM and Ctrl-C, as a scheduler or an impatient user may while it shuts down.
+SIGNALS_AT_EXIT = """
+import atexit, os, signal, time
+atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, code", [(SHORT, 0), (["--smoke", "--resume"], 2)])
+def test_code_after_the_block_runs_and_a_signal_at_exit_changes_no_exit_code(tmp_path, flags, code):
+    """A copy of 04 with a line after its `with` block: the line runs (the run hands back, it does not end
+    the process); SIGTERM and Ctrl-C while the interpreter shuts down leave the documented exit code."""
+    copy = tmp_path / "project" / LESSON
+    copy.parent.mkdir()
+    for name in ("local_utilities.py", "run_keeping", "smoke_weights"):
+        (copy.parent / name).symlink_to(ROOT / name)
+    text = (ROOT / LESSON).read_text()
+    copy.write_text(text + ("    print('after the block')\n" if code == 0 else ""))
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGNALS_AT_EXIT)
+    proc = run_script(str(copy), *flags, cwd=tmp_path, env=script_env(tmp_path, PYTHONPATH=str(site)))
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert ("after the block" in proc.stdout) == (code == 0) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+# An error nobody can act on (a bug in the lesson: cross_entropy raises at the second step), and a shutdown
+# that hangs afterwards (an exit handler that sleeps, registered first so that it runs last).
+UNEXPECTED_THEN_HANG = """
+import atexit, time
+atexit.register(time.sleep, 120)
+import torch.nn.functional as F
+_calls, _cross_entropy = [], F.cross_entropy
+def cross_entropy(*args, **kwargs):
+    _calls.append(1)
+    if len(_calls) == 2:
+        raise ValueError("a bug in the lesson")
+    return _cross_entropy(*args, **kwargs)
+F.cross_entropy = cross_entropy
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_after_an_unexpected_error_ends_the_process(tmp_path):
+    """An unexpected error is Python's traceback; Ctrl-C afterwards, while the shutdown hangs, ends the
+    process within seconds (it is not noted and forgotten)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(UNEXPECTED_THEN_HANG)
+    log = tmp_path / "err.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, str(ROOT / LESSON), *SHORT], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                                stderr=err, env=script_env(tmp_path, PYTHONPATH=str(site)), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while "ValueError: a bug in the lesson" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "Traceback" in log.read_text(), log.read_text()[-2000:]
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            kill_group(proc)
+    assert proc.returncode not in (None, -9), log.read_text()[-2000:]
+
+
+# Process 1's loss is NaN from its second step; process 0's stays finite.
+NAN_IN_PROCESS_1 = """
+import os
+if os.environ.get("LOCAL_RANK") == "1":
+    import torch.nn.functional as F
+    _calls, _cross_entropy = [], F.cross_entropy
+    def cross_entropy(*args, **kwargs):
+        _calls.append(1)
+        loss = _cross_entropy(*args, **kwargs)
+        return loss * float("nan") if len(_calls) >= 2 else loss
+    F.cross_entropy = cross_entropy
+"""
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_process_stops_every_process_in_one_line(tmp_path):
+    """05's two processes, the loss NaN in process 1 alone: every process stops with exit 1 at the same
+    check, and process 0 says so in one line; nothing is written for the epoch."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NAN_IN_PROCESS_1)
+    proc = run_script("05_fabric-vit-mixed-ddp.py", "--smoke", "--max-steps", "6", cwd=tmp_path, timeout=240,
+                      env=script_env(tmp_path, PYTHONPATH=str(site)))
+    lines = [line for line in proc.stderr.splitlines() if ": error: " in line]
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and "the loss is not finite in another process at epoch 1, batch 1" in lines[0], lines
+    assert not (tmp_path / "results").exists() and not list(tmp_path.glob("checkpoints/*/*.ckpt"))
