@@ -258,19 +258,22 @@ def memory_args(args, settings, runs):
 def print_plan(args, gpus):
     """--plan: each stage and the runs it would make, then the memory tables' runs; nothing runs."""
     from benchmarks import memory
+    from benchmarks.runs import SCRIPTS, measured_with
+
+    def memory_runs(planned):
+        return [f"{n} on {memory.VITS[vit]}, {count} process(es){measured_with(SCRIPTS[n])[1]}" for vit, n, count in planned]
     for number, (name, kind, title, settings, runs) in enumerate(plan(args), 1):
         if kind == "memory":
             planned, notes = memory.memory_plan(memory_args(args, settings, runs), True, 0.0, gpus=gpus)
-            runs = [f"{n} on {memory.VITS[vit]}, {count} process(es)" for vit, n, count in planned] + notes
+            runs = memory_runs(planned) + notes
         else:
-            runs = [f"{script[:2]} at batch {batch}" if batch else script[:2] for script, batch in runs]
+            runs = [f"{script[:2]}{f' at batch {batch}' if batch else ''}{measured_with(script)[1]}" for script, batch in runs]
         print(f"{number}. {name}: {title}\n   " + ("; ".join(runs) or "no lesson"))
     for table in ("talk", "sequel"):
         tables = argparse.Namespace(memory_scripts=None, sequel=table == "sequel", memory_models_given=False, memory_models=[],
                                     smoke=False)
         planned, notes = memory.memory_plan(tables, True, 0.0, gpus=gpus)
-        print(f"benchmark.py --memory --{table}: " + "; ".join(
-            [f"{n} on {memory.VITS[vit]}, {count} process(es)" for vit, n, count in planned] + notes))
+        print(f"benchmark.py --memory --{table}: " + "; ".join(memory_runs(planned) + notes))
 
 
 def report_text(check, current=None):

@@ -82,10 +82,16 @@ def why(code, stderr):
     return f"exit {code}: {first_line(said[-1], 240)}"
 
 
+def measured_with(script):
+    """The flags every table and stage runs `script` with (its row's measured_with), and how a plan says them."""
+    flags = lessons()[script]["measured_with"] or []
+    return flags, f" (with {' '.join(flags)})" if flags else ""
+
+
 def run_script(script, flags, results, env=None, timeout=None):
     """A numbered script with `flags`, and those its row's measured_with names: (the record it appended
     to `results`, wall seconds), or RunFailed."""
-    flags = [*flags, *(lessons()[script]["measured_with"] or [])]
+    flags = [*flags, *measured_with(script)[0]]
     def lines():
         try:
             return Path(results).read_text().splitlines()

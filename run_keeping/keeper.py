@@ -214,9 +214,10 @@ class RunKeeper:
 
     def check_loss(self):
         """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
-        bad = self.first_bad if self.world_size == 1 else reduced(self.fabric, self.first_bad, "max")
-        if bad >= 0:
-            value = f"{self.epoch_loss:g}" if self.first_bad >= 0 else "not finite in another process"
+        first = torch.where(self.first_bad >= 0, self.first_bad, float("inf"))  # this process's first bad batch
+        bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")  # reduced in place
+        if bad < float("inf"):
+            value = f"{self.epoch_loss:g}" if first == bad else "not finite in another process"
             stop = f"the loss is {value} at epoch {len(self.train_loss) + 1}, batch {int(bad)}: stopping; no checkpoint or record written for it."
             self.say(f"{self.config.script}: error: {stop}", to=sys.stderr)
             raise SystemExit(1)

@@ -21,11 +21,11 @@ def test_ipython_and_python_i_get_control_back(tmp_path):
     and the session's next line runs; `python -i` reaches its prompt after a run."""
     cell = (f"%run {ROOT / LESSON} --smoke --resume\n%run {ROOT / LESSON} {' '.join(SHORT)}\n"
             "print('the next line ran')\n")
-    ipython = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "-c", cell], cwd=tmp_path,
+    ipython = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "--colors=NoColor", "-c", cell], cwd=tmp_path,
                              env=script_env(tmp_path), capture_output=True, text=True, timeout=300)
     out = ipython.stdout + ipython.stderr
     assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
-    assert "Run record appended to results/runs.jsonl" in out and out.rstrip().endswith("the next line ran"), out[-3000:]
+    assert "Run record appended to results/runs.jsonl" in out and ipython.stdout.rstrip().endswith("the next line ran"), out[-3000:]
     interactive = subprocess.run([sys.executable, "-i", str(ROOT / LESSON), *SHORT], cwd=tmp_path, env=script_env(tmp_path),
                                  input="print('the prompt was reached')\n", capture_output=True, text=True, timeout=300)
     assert "the prompt was reached" in interactive.stdout and "Run record appended" in interactive.stdout, interactive.stderr

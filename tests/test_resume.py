@@ -648,3 +648,76 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and not (keeper.folder / "epoch-0002.ckpt.tmp").exists()
     ended(resumed)
+
+
+def test_a_refused_start_leaves_no_lock_and_no_folder(parse, tmp_path, capsys):
+    """`--resume` with nothing to resume, in a folder of no run: one line, exit 2, and no checkpoints/ folder
+    and no .lock left behind (the lock is taken before the refusal and let go with it); one machine is not
+    told to share its folder with others."""
+    args = parse("--resume")
+    with pytest.raises(SystemExit) as exit_info:
+        RunKeeper(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "nothing to resume" in err and "machine" not in err, err
+    assert not (tmp_path / "checkpoints").exists()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "notes.txt").write_text("the user's")  # a folder that holds something of the user's: kept as it was
+    with pytest.raises(SystemExit):
+        RunKeeper(parse("--resume", "--checkpoint-dir", str(held)))
+    assert [p.name for p in held.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("script, flags, saved, difference", [
+    ("01_pytorch-vit.py", ["--synthetic", "--accelerator", "cpu", "--vit", "vit_l_16"], {"vit": "vit_b_16"},
+     "vit vit_b_16 (now vit_l_16)"),
+    ("10_fabric-vit-tensor-parallel.py", ["--smoke", "--devices", "1", "--tensor-parallel", "1"], {"--tensor-parallel": 2},
+     "--tensor-parallel 2 (now 1)"),
+])
+def test_resume_refuses_another_model_or_another_value_of_a_lessons_own_flag(script, flags, saved, difference, tmp_path,
+                                                                             capsys):
+    """What changes what a checkpoint holds, --vit and a lesson's own flags among it, is refused in one line
+    that names it and continues the run as it started, before the checkpoint is read."""
+    ck = tmp_path / "ck"
+    args = parse_as(script, *flags, "--resume", "--checkpoint-dir", str(ck))
+    sys.argv[0] = script
+    ck.mkdir()
+    settings = {key: getattr(args, key) for key in ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size",
+                                                     "precision")} | args.own | saved
+    (ck / LATEST).write_text(json.dumps({"checkpoint": "epoch-0001.ckpt", "script": args.script, "kind": args.kind,
+                                         "settings": settings, "flags": ["--first", "flags"]}))
+    model = lu.smoke_vit()
+    with pytest.raises(SystemExit) as exit_info:
+        resume_in_process(args, model, torch.optim.Adam(model.parameters()), train_loader=[None])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and difference in err, err
+    assert f"continue it as started: python {script} --first flags --resume" in err
+
+
+def test_a_checkpoint_that_does_not_fit_is_not_called_damaged(parse, tmp_path, capsys):
+    """A whole checkpoint that the model built now does not take (another version of the script): one line,
+    exit 2, that says so and how to continue as it started, never to delete it."""
+    args = parse()
+    write_checkpoint(args)
+    args = parse("--resume")
+    model = lu.build_vit(None, args)
+    model.heads.head = torch.nn.Linear(model.hidden_dim, 11)  # a head of another shape than the checkpoint's
+    with pytest.raises(SystemExit) as exit_info:
+        resume_in_process(args, model, torch.optim.Adam(model.parameters()), train_loader=[None])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "does not fit what this script builds" in err, err
+    assert "rm -rf" not in err and "continue it as started" in err and list((tmp_path / "checkpoints").rglob("*.ckpt"))
+
+
+def test_a_resumed_runs_peak_is_the_peak_of_all_its_sessions(parse):
+    """The peak memory of the session before a --resume is kept in the checkpoint, and the record takes the
+    largest of every session's."""
+    args = parse()
+    keeper, model, optimizer = keeper_after_steps(args, [1.0])
+    keeper.peak_gb = 123.0  # a first session's peak, above any this process reaches
+    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    ended(keeper)
+    resumed = RunKeeper(parse("--resume"))
+    resumed.resume(model, optimizer, train_loader=[None])
+    assert resumed.peak_gb == 123.0 and resumed.start_epoch == 1
+    ended(resumed)

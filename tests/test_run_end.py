@@ -76,3 +76,41 @@ def test_the_lock_holds_exactly_its_holders_line(tmp_path):
         assert line.startswith("process ") and line.count("since") == 1 and line.endswith(" UTC"), line
     finally:
         lock.release()
+
+
+# Ctrl-C at one moment of the second epoch's checkpoint: as it is written, renamed into place, named in
+# latest.json, or as the one before is removed.
+SIGNAL_IN_A_CHECKPOINT = """
+import os, signal, sys, time
+_moment, _seen = os.environ["HOOK_MOMENT"], []
+def _at(event, args):
+    path = str(args[1] if event == "os.rename" else args[0]) if args else ""
+    hit = {"writing": event == "open" and path.endswith("epoch-0002.ckpt.tmp"),
+           "renaming": event == "os.rename" and path.endswith("epoch-0002.ckpt"),
+           "naming": event == "open" and path.endswith("latest.json.tmp") and os.path.exists(path.replace("latest.json.tmp", "epoch-0002.ckpt")),
+           "removing": event == "os.remove" and path.endswith("epoch-0001.ckpt")}[_moment]
+    if hit and not _seen:
+        _seen.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+sys.addaudithook(_at)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["writing", "renaming", "naming", "removing"])
+def test_the_interruption_line_is_true_at_any_moment_of_a_checkpoint(tmp_path, moment):
+    """Ctrl-C while a checkpoint is written, renamed, named or its predecessor removed: the line names the
+    checkpoint --resume continues from (latest.json's) and the epochs it holds; an epoch whose checkpoint
+    was being written is said not to be kept."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SIGNAL_IN_A_CHECKPOINT)
+    env = script_env(tmp_path, PYTHONPATH=str(site), HOOK_MOMENT=moment)
+    proc = run_script("01_pytorch-vit.py", "--smoke", "--epochs", "3", "--max-steps", "3", cwd=tmp_path, env=env)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-2000:])
+    latest = json.loads(next(tmp_path.glob("checkpoints/*/latest.json")).read_text())
+    held = f"{latest['checkpoint']}, holds {latest['epochs_done']} of 3 epochs"
+    assert held in last and (latest["epochs_done"] == 2) == (moment != "writing"), (moment, last, latest)
+    assert ("epoch 2, whose checkpoint was being written, is not kept" in last) == (moment == "writing"), last
