@@ -112,6 +112,8 @@ CANNOT_RUN_HERE = {
     "python -m pytest -q -m \"not slow\"": "this suite",
     "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt":
         "PyTorch's own package index, which this machine does not reach; the rest is this suite's install",
+    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu126 && pip install -r requirements.txt":
+        "PyTorch's own package index, which this machine does not reach; the rest is this suite's install",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 "
     "06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "two machines; test_fabric.py runs two torchrun nodes on this one",
     "srun python 06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "a SLURM job; test_slurm.py submits it",
@@ -121,10 +123,22 @@ CANNOT_RUN_HERE = {
 # The smallest scale of a program's command that reaches its code, added to each of its commands
 SMALLEST = {"benchmark.py --smoke": "--repeat 1 --max-steps 4 --loader-images 0 --scripts 01",
             "make_smoke_weights.py": "--images 100 --steps 2"}
-# What a command that stops here says in its one line: what it needs that this machine lacks (a GPU or more,
-# CIFAR-10, a finished run's model, the pictures a user gives, native bfloat16)
-NEEDS = re.compile(r"no CUDA GPU|CIFAR-10|no model file|no model of a whole run|a finished training run writes one|cannot read the image|"
-                   r"no native bfloat16|needs? \d+ GPU")
+# What each documented command that cannot run here says instead, in its own one line (exit 2): what it needs that
+# this machine lacks (a GPU, CIFAR-10, a finished full run's model, the pictures a user gives)
+FULL_RUN = "no CUDA GPU found. A full run on a CPU takes about a day"
+STOPS_HERE = {
+    **{f"python {script}": FULL_RUN for script in ("00_pytorch-vit-random-init.py", "01_pytorch-vit.py",
+                                                   "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
+                                                   "09_fabric-vit-fast.py")},
+    "python plot_results.py": "nothing to draw: no full runs in results/runs.jsonl; it holds smoke runs",
+    "bash gpu_check.sh": "no CUDA GPU found (torch sees none). On a CPU, run the same check at smoke size",
+    "python benchmark.py --scripts 01 02 03 04 09 01@128 04@128": "no CUDA GPU found: without --smoke this measures",
+    "python 08_load-and-evaluate.py": "no model of a whole run in models/",
+    "python 08_load-and-evaluate.py --model models/06_fabric-vit-mixed-fsdp.pt": "--model models/06_fabric-vit-mixed-fsdp.pt: no such file",
+    "python 08_load-and-evaluate.py --predict cat.png truck.jpg": "cannot read the image cat.png",
+}
+# A scaled-down command that measures nothing (exit 6) passes only where every page that gives it says this
+MEASURES_NOTHING = "measures nothing on a CPU without native bfloat16"
 
 
 def run_here(command):
@@ -147,10 +161,12 @@ def run_here(command):
 
 
 def test_every_documented_command_is_known():
-    """Every command the pages give is run (run_here) or says why it cannot be, here."""
-    run = [command for _, command in documented_commands() if command not in CANNOT_RUN_HERE]
+    """Every command the pages give is run (run_here) or says why it cannot be, here; every command expected
+    to stop here is one a page gives."""
+    given = {command for _, command in documented_commands()}
+    run = [command for command in given if command not in CANNOT_RUN_HERE]
     assert run and all(run_here(command) for command in run)
-    assert set(CANNOT_RUN_HERE) <= {command for _, command in documented_commands()}, "a command no page gives any more"
+    assert set(CANNOT_RUN_HERE) <= given and set(STOPS_HERE) <= given, "a command no page gives any more"
 
 
 @pytest.mark.slow
@@ -158,8 +174,8 @@ def test_every_documented_command_leaves_the_checkout_clean(tmp_path):
     """In a copy of the checkout (its files as they are now, committed there), every documented
     command, from its root as the docs say, in the order the docs give them, at its smallest scale
     (run_here): each ends well, or, where it needs what this machine lacks (a GPU, CIFAR-10, a
-    finished run's model, native bfloat16), stops at once in one line saying so, without a
-    traceback; and git status is clean after them all: the outputs went to the folders git ignores
+    finished run's model), stops at once in its own one line (STOPS_HERE); one that measures nothing on a
+    CPU without native bfloat16 (exit 6) is said so on its pages; and git status is clean after them all: the outputs went to the folders git ignores
     (results/, models/, checkpoints/, data/), and nothing tracked changed."""
     copy = tmp_path / "checkout"
     copy.mkdir()
@@ -172,19 +188,29 @@ def test_every_documented_command_leaves_the_checkout_clean(tmp_path):
     git("init", "-q")
     git("add", "-A")
     git("commit", "-qm", "the checkout as it is")
-    commands = list(dict.fromkeys(run_here(c) for _, c in documented_commands() if c not in CANNOT_RUN_HERE))
+    pages = {}
+    for page, documented in documented_commands():
+        if documented not in CANNOT_RUN_HERE:
+            pages.setdefault(documented, []).append(page)
     env = script_env(copy, PATH=f"{Path(sys.executable).parent}:{script_env(copy)['PATH']}")
-    for command in commands:
+    for documented in pages:
+        command = run_here(documented)
         plain = re.fullmatch(r"python (\S+\.py)((?: [\w@./=-]+)*)", command)  # no shell syntax: as bash would run it,
         if plain:  # forked from an interpreter that has the libraries loaded (conftest.run_script)
             proc = run_script(str(copy / plain.group(1)), *plain.group(2).split(), cwd=copy, timeout=300)
         else:
             proc = subprocess.run(["bash", "-c", command], cwd=copy, env=env, capture_output=True, text=True, timeout=300)
         said = [line for line in proc.stderr.splitlines() if line.strip()]
-        stopped = said[-1].split(": error: ")[-1] if proc.returncode and said else ""
-        ended_well = proc.returncode == 0 or (command.startswith("diff ") and proc.returncode == 1)  # they differ
-        assert ended_well or (NEEDS.search(stopped) and "Traceback" not in proc.stderr), (
-            command, proc.returncode, proc.stderr[-2000:])
+        last = said[-1] if said else ""
+        if documented in STOPS_HERE:  # its own line, and exit 2
+            assert proc.returncode == 2 and STOPS_HERE[documented] in last and len(said) == 1, (command, proc.returncode, said)
+        elif proc.returncode == 6 and "no native bfloat16" in last:  # measured nothing: said on its pages
+            for page in pages[documented]:
+                text = " ".join((ROOT / ("README.md" if page == "README.md" else f"docs/{page}")).read_text().split())
+                assert MEASURES_NOTHING in text, f"{page}: say that {documented} {MEASURES_NOTHING} (exit 6)"
+        else:
+            ended_well = proc.returncode == 0 or (command.startswith("diff ") and proc.returncode == 1)  # they differ
+            assert ended_well and "Traceback" not in proc.stderr, (command, proc.returncode, proc.stderr[-2000:])
     changed = git("status", "--porcelain")
     assert changed == "", changed
     ignored = [line[3:] for line in git("status", "--porcelain", "--ignored").splitlines()

@@ -1,5 +1,6 @@
 """Bad input and hostile machines: one clear line, exit 2, no traceback, records untouched."""
 
+import json
 import pytest
 
 from run_keeping.config import SMOKE_EPOCHS
@@ -266,3 +267,31 @@ def test_04_on_a_gpu_torch_cannot_use_stops_in_that_one_line(tmp_path):
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert lines[0].startswith("04_fabric-vit-mixed-precision.py: error: nvidia-smi sees NVIDIA H100 80GB HBM3 (driver 550.54.15)")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_benchmark_that_measured_nothing_exits_6_in_one_line(tmp_path, monkeypatch, capsys):
+    """benchmark.py --memory --sequel on a CPU without native bfloat16 (every lesson of the chain asks for it):
+    nothing measured, so one line saying why, exit 6 (not 0 with an empty table)."""
+    import benchmark
+    from benchmarks import memory
+    monkeypatch.setattr(memory, "native_bf16", lambda device: False)
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.main(["--memory", "--sequel", "--smoke", "--scripts", "04", "--results", str(tmp_path / "r.jsonl")])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 6 and ": error: nothing was measured: " in err and "no native bfloat16" in err, err
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_loaded_ends_the_run_with_2(tmp_path):
+    """An error inside the `with` block keeps its documented code through it (docs/flags-records-exit-codes.md):
+    --resume from a damaged checkpoint is one line and exit 2, not 1."""
+    args = parse_as("01_pytorch-vit.py", "--smoke", "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "epoch-0001.ckpt").write_bytes(b"not a checkpoint")
+    settings = {key: getattr(args, key) for key in ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")}
+    (tmp_path / "ck" / "latest.json").write_text(json.dumps({"checkpoint": "epoch-0001.ckpt", "script": args.script,
+                                                             "kind": args.kind, "settings": settings | args.own}))
+    proc = run_script("01_pytorch-vit.py", "--smoke", "--max-steps", "2", "--checkpoint-dir", str(tmp_path / "ck"), "--resume",
+                      cwd=tmp_path)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and "cannot load" in lines[0] and "start over" in lines[0], proc.stderr[-2000:]

@@ -100,7 +100,8 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     again = submit(job, requeued_env, work, tmp_path / "requeued.out")
     wait_until(paused.exists, 300, "the second epoch")
     subprocess.run(["scontrol", "requeue", again], env=env, check=True)
-    time.sleep(1)  # the SIGTERM has arrived
+    out_file = tmp_path / "requeued.out"
+    wait_until(lambda: "interrupted (SIGTERM)" in out_file.read_text(), 120, "the SIGTERM to stop the paused run")
     go_on.touch()
     wait_until(lambda: state(again, env) == "PENDING", 120, "the requeued job to wait")
     latest = json.loads(next((work / "checkpoints").glob("*/latest.json")).read_text())
