@@ -269,6 +269,7 @@ def test_04_on_a_gpu_torch_cannot_use_stops_in_that_one_line(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow  # it measures the libraries' memory first, in a process of its own
 def test_a_benchmark_that_measured_nothing_exits_6_in_one_line(tmp_path, monkeypatch, capsys):
     """benchmark.py --memory --sequel on a CPU without native bfloat16 (every lesson of the chain asks for it):
     nothing measured, so one line saying why, exit 6 (not 0 with an empty table)."""
