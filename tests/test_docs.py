@@ -4,6 +4,7 @@ talk's (lessons.csv), a setting, or one the page's blocks give; no help text sta
 time; and every documented command that runs on a CPU runs, in a copy of the checkout, leaving
 git status clean."""
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -130,7 +131,6 @@ STOPS_HERE = {
     **{f"python {script}": FULL_RUN for script in ("00_pytorch-vit-random-init.py", "01_pytorch-vit.py",
                                                    "04_fabric-vit-mixed-precision.py", "05_fabric-vit-mixed-ddp.py",
                                                    "09_fabric-vit-fast.py")},
-    "python plot_results.py": "nothing to draw: no full runs in results/runs.jsonl; it holds smoke runs",
     "bash gpu_check.sh": "no CUDA GPU found (torch sees none). On a CPU, run the same check at smoke size",
     "python benchmark.py --scripts 01 02 03 04 09 01@128 04@128": "no CUDA GPU found: without --smoke this measures",
     "python 08_load-and-evaluate.py": "no model of a whole run in models/",
@@ -216,3 +216,30 @@ def test_every_documented_command_leaves_the_checkout_clean(tmp_path):
     ignored = [line[3:] for line in git("status", "--porcelain", "--ignored").splitlines()
                if line.startswith("!!") and "__pycache__" not in line]
     assert ignored and all(path.split("/")[0] in ("results", "models", "checkpoints", "data") for path in ignored), ignored
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mistake, said", [
+    (("04_fabric-vit-mixed-precision.py,+ bf16-mixed,03,2,", "04_fabric-vit-mixed-precision.py,+ bf16-mixed,03,two,"),
+     "(04_fabric-vit-mixed-precision.py): budget is 'two', not a whole number"),
+    (("\n16_fabric-vit-cuda-graphs.py,", "\n16_fabric-vit-cuda-graphs.py,an extra field,"),
+     "(16_fabric-vit-cuda-graphs.py): more fields than the header's"),
+])
+def test_figures_writes_every_page_or_none(tmp_path, mistake, said):
+    """python tools/figures.py with a row of lessons.csv it cannot read: one line naming the row and what is
+    wrong with it, exit 2, and no page written (the tables it makes are made before any page is)."""
+    copy = tmp_path / "project"
+    shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "results", "models", "checkpoints"))
+    pages = {page: page.read_bytes() for page in [copy / "README.md", *(copy / "docs").glob("*.md")]}
+    for page in pages:  # each table out of date, so a page would be written if any were
+        page.write_text(re.sub(r"(<!-- figures: [\w-]+ -->\n).*?(<!-- end of figures -->)", r"\1stale\n\2",
+                               page.read_text(), flags=re.S))
+    stale = {page: page.read_bytes() for page in pages}
+    old, new = mistake
+    text = (copy / "lessons.csv").read_text()
+    assert old in text
+    (copy / "lessons.csv").write_text(text.replace(old, new, 1))
+    proc = subprocess.run([sys.executable, "tools/figures.py"], cwd=copy, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and said in lines[0] and "lessons.csv line " in lines[0], proc.stderr
+    assert lines[0].endswith("no page was written") and all(page.read_bytes() == stale[page] for page in pages)

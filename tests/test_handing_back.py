@@ -53,7 +53,7 @@ def test_code_after_the_block_runs_and_a_signal_at_exit_changes_no_exit_code(tmp
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SIGNALS_AT_EXIT)
-    proc = run_script(str(copy), *flags, cwd=tmp_path, env=script_env(tmp_path, PYTHONPATH=str(site)))
+    proc = run_script(str(copy), *flags, cwd=tmp_path, env=script_env(tmp_path, PYTHONPATH=str(site)), fresh=True)
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     assert ("after the block" in proc.stdout) == (code == 0) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
@@ -61,8 +61,11 @@ def test_code_after_the_block_runs_and_a_signal_at_exit_changes_no_exit_code(tmp
 # An error nobody can act on (a bug in the lesson: cross_entropy raises at the second step), and a shutdown
 # that hangs afterwards (an exit handler that sleeps, registered first so that it runs last).
 UNEXPECTED_THEN_HANG = """
-import atexit, time
-atexit.register(time.sleep, 120)
+import atexit, os, time
+def _hang():
+    open(os.environ["HOOK_HANGING"], "w").close()
+    time.sleep(120)
+atexit.register(_hang)
 import torch.nn.functional as F
 _calls, _cross_entropy = [], F.cross_entropy
 def cross_entropy(*args, **kwargs):
@@ -81,15 +84,16 @@ def test_ctrl_c_after_an_unexpected_error_ends_the_process(tmp_path):
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(UNEXPECTED_THEN_HANG)
-    log = tmp_path / "err.txt"
+    log, hanging = tmp_path / "err.txt", tmp_path / "hanging"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, str(ROOT / LESSON), *SHORT], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                                stderr=err, env=script_env(tmp_path, PYTHONPATH=str(site)), start_new_session=True)
+                                stderr=err, env=script_env(tmp_path, PYTHONPATH=str(site), HOOK_HANGING=str(hanging)),
+                                start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while "ValueError: a bug in the lesson" not in log.read_text() and time.monotonic() < deadline:
+        while not hanging.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert "Traceback" in log.read_text(), log.read_text()[-2000:]
+        assert "ValueError: a bug in the lesson" in log.read_text() and hanging.exists(), log.read_text()[-2000:]
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
     finally:
@@ -120,7 +124,7 @@ def test_a_nan_in_one_process_stops_every_process_in_one_line(tmp_path):
     site.mkdir()
     (site / "sitecustomize.py").write_text(NAN_IN_PROCESS_1)
     proc = run_script("05_fabric-vit-mixed-ddp.py", "--smoke", "--max-steps", "6", cwd=tmp_path, timeout=240,
-                      env=script_env(tmp_path, PYTHONPATH=str(site)))
+                      env=script_env(tmp_path, PYTHONPATH=str(site)), fresh=True)
     lines = [line for line in proc.stderr.splitlines() if ": error: " in line]
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
     assert len(lines) == 1 and "the loss is not finite in another process at epoch 1, batch 1" in lines[0], lines

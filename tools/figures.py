@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.reports import markdown_table  # noqa: E402
 from run_keeping.reading import read_records, read_runs, whole  # noqa: E402
 from run_keeping.record import write_atomically  # noqa: E402
-from run_keeping.config import VITS  # noqa: E402
+from run_keeping.config import VITS, fail  # noqa: E402
 from run_keeping.reading import lessons
 
 REFERENCE = ROOT / "reference"
@@ -431,14 +431,14 @@ def main(argv=None):
         try:
             found = differing()
         except ValueError as err:
-            sys.exit(f"figures.py: error: {err}")
+            fail(err)
         for page, names in found:
             print(f"{page}: {', '.join(names)} differ from their records (python tools/figures.py makes them again)")
         sys.exit(1 if found else 0)
     try:  # every page made before any is written: all of them, or none
         made = {page: rewritten(page.read_text())[0] for page in PAGES}
     except ValueError as err:  # a row of lessons.csv it cannot read: reading.lessons names it
-        sys.exit(f"figures.py: error: {err}; no page was written")
+        fail(f"{err}; no page was written")
     for page, new in made.items():
         if new != page.read_text():
             write_atomically(page, new.encode())
