@@ -292,7 +292,10 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
         return subprocess.run([sys.executable, *command], cwd=copy, capture_output=True, text=True, timeout=600)
     assert run("tools/figures.py").returncode == 0
     # the quick tier's checks of the new lesson and of the whole registry (the other lessons' own are the suite's)
-    quick = run("-m", "pytest", "-q", "-m", "not slow", "-k", "17_fabric or not (_fabric-vit or _pytorch-vit)")
+    registry = ["tests/test_layout.py", "tests/test_docs.py", "tests/test_plot.py", "tests/test_benchmark.py",
+                "tests/test_memory.py", "tests/test_gpu_rehearsal.py", "tests/test_scripts.py", "tests/test_copies.py",
+                "tests/test_flags.py", "tests/test_cuda_paths.py", "tests/test_precision.py"]  # the files that read it
+    quick = run("-m", "pytest", "-q", "-m", "not slow", "-k", "17_fabric or not (_fabric-vit or _pytorch-vit)", *registry)
     assert quick.returncode == 0 and " passed" in quick.stdout, quick.stdout[-3000:]
     helped = " ".join(run(NEW_LESSON, "--help").stdout.split())
     assert "[17] new: its switch." in helped and "--channels-last the images and weights in channels-last" in helped
