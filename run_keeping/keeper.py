@@ -90,7 +90,7 @@ class RunKeeper:
         self.let_go()
         self.say(message and f"\n{self.config.script}: {message}", to=sys.stderr)
         if torch.distributed.is_initialized():  # no gloo work or thread left for the shutdown (pytorch#190489)
-            if code == 0:  # every process is here: the collectives still in flight (the state dict's) end first
+            if kind is None:  # every process finished (signal or not): the collectives still in flight end first
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         hand_back(guard=code is not None)  # after a traceback, Ctrl-C ends the process as in any program

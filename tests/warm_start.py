@@ -249,10 +249,11 @@ def run_as_main():
         traceback.print_exc()
         code = 1
     import threading
-    for thread in threading.enumerate():  # as Python waits for them before its exit handlers
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # private, and the one way to run them as the interpreter would: only here, in the suite
+    # What Python's finalisation does first, in its order, by the private functions it calls itself
+    # (only here, in the suite): threading's exit handlers (a ThreadPoolExecutor's, which tell its
+    # workers to end: torch.compile's pool), then the wait for every non-daemon thread, then atexit's
+    threading._shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     if by_signal:
