@@ -252,7 +252,7 @@ def run_as_main():
     # What Python's finalisation does first, in its order, by the private functions it calls itself
     # (only here, in the suite): threading's exit handlers (a ThreadPoolExecutor's, which tell its
     # workers to end: torch.compile's pool), then the wait for every non-daemon thread, then atexit's
-    threading._shutdown()
+    threading._shutdown()  # ty: ignore[missing-attribute]: not in typeshed, and the function Python calls as it ends
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
