@@ -93,6 +93,7 @@ class RunKeeper:
             if kind is None:  # every process finished (signal or not): the collectives still in flight end first
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
+            time.sleep(0.25)  # gloo's threads let go of the last collectives' tensors just after they return: before Python's shutdown, where that aborts the process
         hand_back(guard=code is not None)  # after a traceback, Ctrl-C ends the process as in any program
         if code:
             raise SystemExit(code) from None
@@ -121,7 +122,7 @@ class RunKeeper:
         except SystemExit as stop:
             code = stop.code if isinstance(stop.code, int) else 1
         if self.fabric and self.world_size > 1:
-            failed = int(reduced(self, code, "max"))
+            failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
                 why = f"process {self.rank} of {self.world_size} stops too: another process could not go on (its line says why)."
                 print(f"{self.config.script}: error: {why}", file=sys.stderr, flush=True)
@@ -171,7 +172,7 @@ class RunKeeper:
         if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
             held = torch.zeros(self.world_size, dtype=torch.float64)
             held[self.rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-            held = ", ".join(f"{int(n):,}" for n in reduced(self, held, "sum"))
+            held = ", ".join(f"{int(n):,}" for n in reduced(self.fabric, held, "sum"))
             self.say(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
         if self.resuming:
             rng = self.agree(self.load_checkpoint)
@@ -216,7 +217,7 @@ class RunKeeper:
     def check_loss(self):
         """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
         first = torch.where(self.first_bad >= 0, self.first_bad, float("inf"))  # this process's first bad batch
-        bad = first if self.world_size == 1 else reduced(self, first.clone(), "min")  # reduced in place
+        bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")  # reduced in place
         if bad < float("inf"):
             value = f"{self.epoch_loss:g}" if first == bad else "not finite in another process"
             stop = f"the loss is {value} at epoch {len(self.train_loss) + 1}, batch {int(bad)}: stopping; no checkpoint or record written for it."
@@ -229,7 +230,7 @@ class RunKeeper:
         assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
         mean_loss = self.epoch_loss / self.batch_in_epoch
         if self.fabric:
-            mean_loss = reduced(self, mean_loss, "mean")
+            mean_loss = reduced(self.fabric, mean_loss, "mean")
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
@@ -248,8 +249,8 @@ class RunKeeper:
         """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, and before a --resume."""
         images, seconds = float(self.timed_images), self.timed_seconds
         if self.fabric and self.world_size > 1:
-            images = float(reduced(self, images, "sum")) * self.config.data_parallel / self.world_size
-            seconds = float(reduced(self, seconds, "max"))
+            images = float(reduced(self.fabric, images, "sum")) * self.config.data_parallel / self.world_size
+            seconds = float(reduced(self.fabric, seconds, "max"))
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def save_checkpoint(self):
@@ -344,7 +345,7 @@ class RunKeeper:
         images, seconds = self.timed_totals()
         peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
         if self.fabric and self.world_size > 1:
-            peak, waited = map(float, reduced(self, torch.tensor([peak, waited], dtype=torch.float64), "max"))
+            peak, waited = map(float, reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max"))
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
@@ -450,12 +451,11 @@ class FolderLock:
         os.close(self.fd)
 
 
-def reduced(keeper, value, op):
-    """`value` reduced over the processes (in place), held by the keeper: gloo's thread lets go of it after the wait, and, the last holder in Python's shutdown, aborts it (pytorch#190489)."""
-    assert keeper.fabric is not None
-    keeper.reduced_last = keeper.fabric.all_reduce(torch.as_tensor(value), reduce_op=op)
-    assert isinstance(keeper.reduced_last, torch.Tensor)
-    return keeper.reduced_last
+def reduced(fabric, value, op):
+    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given)."""
+    result = fabric.all_reduce(torch.as_tensor(value), reduce_op=op)
+    assert isinstance(result, torch.Tensor)
+    return result
 
 
 def read_json(path):

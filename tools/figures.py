@@ -190,17 +190,19 @@ def run_machine(r):
 
 
 def suite_time():
+    """The latest run of the whole suite and of the quick tier, and every run of the whole suite at that commit."""
     runs = read_records(REFERENCE / "test-suite-runs.jsonl")
-    plain = [r for r in runs if r.get("install") != "venv"]
-    full, quick = ([r for r in plain if r["tier"] == tier][-1] for tier in ("all", "quick"))
-    venv = [r for r in runs if r["tier"] == "all" and r.get("install") == "venv"]
+    full, quick = ([r for r in runs if r["tier"] == tier][-1] for tier in ("all", "quick"))
+    same = [r for r in runs if r["tier"] == "all" and r["commit"] == full["commit"]]
 
     def minutes(run):
         return f"{int(run['seconds'] // 60)} min {int(round(run['seconds'] % 60))} s"
     outcome = ", ".join(f"{full[k]} {k}" for k in ("passed", "failed", "skipped") if full.get(k))
-    in_venv = f"; in a virtual environment, {minutes(venv[-1])} at {venv[-1]['commit']}" if venv else ""
-    return (f"The whole suite: {full['tests']} tests in {minutes(full)} ({outcome}{in_venv}), the quick tier in "
-            f"{quick['seconds']:.0f} s, from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
+    where = "in a virtual environment, " if full.get("install") == "venv" else ""
+    green = sum(not r.get("failed") and not r.get("errors") for r in same)
+    series = f"; {green} of its {len(same)} runs there green, in {', '.join(minutes(r) for r in same)}" if len(same) > 1 else ""
+    return (f"The whole suite: {full['tests']} tests in {minutes(full)} ({outcome}{series}), the quick tier in "
+            f"{quick['seconds']:.0f} s, {where}from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
             f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
 
 
