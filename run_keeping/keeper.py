@@ -93,7 +93,7 @@ class RunKeeper:
             if kind is None:  # every process finished (signal or not): the collectives still in flight end first
                 torch.distributed.barrier()
             torch.distributed.destroy_process_group()
-            time.sleep(0.25)  # gloo's threads let go of the last collectives' tensors just after they return: before Python's shutdown, where that aborts the process
+            time.sleep(0.25)  # gloo's threads free the last collectives' tensors before the shutdown, where it aborts
         hand_back(guard=code is not None)  # after a traceback, Ctrl-C ends the process as in any program
         if code:
             raise SystemExit(code) from None

@@ -200,7 +200,7 @@ def suite_time():
     outcome = ", ".join(f"{full[k]} {k}" for k in ("passed", "failed", "skipped") if full.get(k))
     where = "in a virtual environment, " if full.get("install") == "venv" else ""
     green = sum(not r.get("failed") and not r.get("errors") for r in same)
-    series = f"; {green} of its {len(same)} runs there green, in {', '.join(minutes(r) for r in same)}" if len(same) > 1 else ""
+    series = f"; {green} of {len(same)} runs at that commit green, in {', '.join(minutes(r) for r in same)}" if len(same) > 1 else ""
     return (f"The whole suite: {full['tests']} tests in {minutes(full)} ({outcome}{series}), the quick tier in "
             f"{quick['seconds']:.0f} s, {where}from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
             f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
