@@ -57,7 +57,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
-        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
+        keeper.checkpoint(val_acc)  # to continue from with --resume
     return time.time() - start
 
 

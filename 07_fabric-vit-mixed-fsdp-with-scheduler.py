@@ -59,7 +59,7 @@ def train(num_epochs, model, optimizer, scheduler, train_loader, val_loader, dev
         val_acc = evaluate(model, val_loader, device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
         scheduler.step()  # [07] new: the learning rate times 0.9 after each epoch
-        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
+        keeper.checkpoint(val_acc)  # to continue from with --resume
     return time.time() - start
 
 

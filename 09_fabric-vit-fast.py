@@ -121,7 +121,7 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
                 fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_data):04d} | Loss: {loss:.4f}")
         val_acc = evaluate(model, val_data, fabric.device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Val acc.: {val_acc*100:.2f}%")
-        keeper.checkpoint(epoch, model, optimizer, val_acc)
+        keeper.checkpoint(val_acc)
     return time.time() - start
 
 

@@ -58,18 +58,18 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
-        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
+        keeper.checkpoint(val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3, devices=4)  # [05] instead of lesson_parser(epochs=3): four devices
-    parser.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="processes that split each MLP (default 2); it must divide the processes")  # [10] new: its own flag
+    parser.add_argument("--tensor-parallel", type=int, default=2, metavar="N", help="processes that split each MLP (default 2); it must divide the processes")  # [10] new: how many processes split each MLP
     args = parser.parse_args()
     fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         precision="bf16-mixed",  # [04] new: mixed precision
-        strategy=L.fabric.strategies.ModelParallelStrategy(parallelize.tensor_parallel_mlps_then_fsdp, data_parallel_size=args.data_parallel, tensor_parallel_size=args.tensor_parallel),  # [10] instead of (fsdp_each_encoder_block, ..., tensor_parallel_size=1)
+        strategy=L.fabric.strategies.ModelParallelStrategy(parallelize.tensor_parallel_mlps_then_fsdp, data_parallel_size=args.data_parallel, tensor_parallel_size=args.tensor_parallel),  # [10] instead of FSDP2 alone: each MLP split across --tensor-parallel processes (tensor parallelism), FSDP2 across the replicas
     )
     fabric.launch()  # [03] new: starts the other processes, if any
     with RunKeeper(args, fabric) as keeper:  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes

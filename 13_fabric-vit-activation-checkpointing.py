@@ -26,6 +26,8 @@ from local_utilities import get_dataloaders
 from local_utilities import lesson_parser
 from run_keeping.keeper import RunKeeper
 
+MICRO_BATCHES = 4  # [12] new: each batch of 16 in 4 parts, one optimizer step
+
 
 def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric):  # [03] instead of (..., keeper): the loop calls fabric
     start = time.time()
@@ -40,11 +42,11 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
             logits = model(features)
             loss = F.cross_entropy(logits, targets)
 
-            if batch_idx % 4 == 0: optimizer.zero_grad()  # [12] instead of every batch: each batch of 16 starts from zero
-            with fabric.no_backward_sync(model, enabled=batch_idx % 4 != 3): fabric.backward(loss / 4)  # [12] instead of fabric.backward(loss): a quarter of the mean, added up
+            if batch_idx % MICRO_BATCHES == 0: optimizer.zero_grad()  # [12] instead of every batch: each batch of 16 starts from zero
+            with fabric.no_backward_sync(model, enabled=batch_idx % MICRO_BATCHES != MICRO_BATCHES - 1): fabric.backward(loss / MICRO_BATCHES)  # [12] instead of fabric.backward(loss): a quarter of the mean, added up
 
             ### UPDATE MODEL PARAMETERS
-            if batch_idx % 4 == 3: optimizer.step()  # [12] instead of every batch: after the 4th micro-batch (the sequel stepped after the 1st)
+            if batch_idx % MICRO_BATCHES == MICRO_BATCHES - 1: optimizer.step()  # [12] instead of every batch: after the 4th micro-batch (the sequel stepped after the 1st)
             keeper.batch_done(loss, len(targets))  # loss guard and timing, for the run record
 
             ### LOGGING
@@ -59,13 +61,13 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
         ### MORE LOGGING
         val_acc = evaluate(model, val_loader, device)
         fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Train acc.: {train_acc.compute()*100:.2f}% | Val acc.: {val_acc*100:.2f}%")  # [03] instead of print
-        keeper.checkpoint(epoch, model, optimizer, val_acc)  # to continue from with --resume
+        keeper.checkpoint(val_acc)  # to continue from with --resume
     return time.time() - start
 
 
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
-    parser.set_defaults(micro_batches=4)  # [12] new: the loader hands out each batch of 16 in 4 micro-batches
+    parser.set_defaults(micro_batches=MICRO_BATCHES)  # [12] new: the loader hands out each batch of 16 in 4 micro-batches
     args = parser.parse_args()
     fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,

@@ -23,10 +23,11 @@ SMOKE_SPLIT = (240, 360)  # of scikit-learn's 1,797 digits, held out for validat
 SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
-def lesson_parser(epochs, devices=None, batch_size=16, loader=True):
-    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes."""
+def lesson_parser(epochs, devices=None, batch_size=16, loader=True, check=None):
+    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes;
+    `check(args)`: a lesson's relation to what the run derives (docs/adding-a-lesson.md)."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
-    return LessonParser(epochs, devices, batch_size, loader, train_images=images)
+    return LessonParser(epochs, devices, batch_size, loader, train_images=images, check=check)
 
 
 def talk_transforms():

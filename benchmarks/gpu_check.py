@@ -10,10 +10,8 @@ a whole report. A configuration that fails is a row saying why; the rest go on (
     python -m benchmarks.gpu_check --help   # what gpu_check.sh runs, with the suite on the path
 """
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,19 +122,17 @@ def compiles(script, size):
 
 
 def gpu_line(smoke):
-    """The GPU the check measures, its name, driver and memory as nvidia-smi gives them (the first that
-    CUDA_VISIBLE_DEVICES lets the scripts see); or, at --smoke or where no GPU is seen, that none is used."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if smoke or visible in ("", "-1"):
+    """The GPU the check measures, CUDA's first (the first the scripts see), its name, driver and memory as
+    nvidia-smi gives them, asked by the UUID torch gives it: nvidia-smi numbers the GPUs in PCI order, CUDA fastest
+    first unless CUDA_DEVICE_ORDER=PCI_BUS_ID. At --smoke, or where torch sees no GPU, that none is used."""
+    import torch
+    from run_keeping.gpu import nvidia_smi
+    if smoke or not torch.cuda.is_available():
         return "no NVIDIA GPU used: a CPU run"
-    which = ["-i", visible.split(",")[0]] if visible else []
-    try:
-        proc = subprocess.run(["nvidia-smi", *which, "--query-gpu=name,driver_version,memory.total",
-                               "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-        line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
-    except (OSError, subprocess.TimeoutExpired):
-        line = ""
-    return line or "no NVIDIA GPU used: a CPU run"
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    listed = nvidia_smi("-i", uuid, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader") or ""
+    return listed.strip().split("\n")[0] or f"{torch.cuda.get_device_name(0)} (nvidia-smi does not list {uuid})"
 
 
 def stage_scripts(name):
@@ -300,14 +296,15 @@ def main(argv=None):
     """The check: every stage of plan() in order. Exit 0, 2 (no GPU without --smoke) or 6 (some
     configurations failed)."""
     from run_keeping.config import fail
+    from run_keeping.gpu import no_gpu
     args = parse_args(argv)
     check = Check(args)
     if args.plan:
         print(f"On {check.gpus or 1} GPU(s):")
         return print_plan(args, check.gpus or 1)
-    if check.gpus == 0 and not args.smoke:
-        fail("no CUDA GPU found (torch sees none). On a CPU, run the same check at smoke size: "
-             "bash gpu_check.sh --smoke")
+    if check.gpus == 0 and not args.smoke:  # the lessons' line where nvidia-smi lists a GPU torch does not see
+        cpu = "On a CPU, run the same check at smoke size: bash gpu_check.sh --smoke"
+        fail(no_gpu(cpu) or f"no CUDA GPU found (torch sees none). {cpu}")
     check.out.mkdir(parents=True, exist_ok=True)
     check.write()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

@@ -96,10 +96,10 @@ def memory_run(args):
 
 def state_terms(precision, optimizer, strategy, parameters, held):
     """Model state one process holds (bytes): weights and gradients (4 bytes each, 2 in bf16-true),
-    Adam's two moments (SGD without momentum: none), DDP's float32 bucket copy of every gradient."""
+    Adam's and AdamW's two moments (SGD without momentum: none), DDP's float32 bucket copy of every gradient."""
     size = 2 if precision == "bf16-true" else 4
     terms = {"weights": size * held, "gradients": size * held,
-             "optimizer": 2 * size * held if optimizer == "Adam" else 0}
+             "optimizer": 2 * size * held if optimizer in ("Adam", "AdamW") else 0}
     if strategy == "ddp":
         terms["DDP's buckets"] = 4 * parameters
     return terms

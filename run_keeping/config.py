@@ -7,16 +7,17 @@ import argparse
 import ast
 import atexit
 import json
+import logging
 import os
 import re
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import warnings
 from pathlib import Path
+
+from run_keeping.gpu import fewer, flags_for, no_gpu
 
 SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
@@ -36,15 +37,12 @@ NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 # becomes 16-mixed unless sharded (Fabric's ModelParallelStrategy takes no 16-mixed); otherwise
 # 32-true (a CPU's float16 is emulated too; 16-true would lose Adam's small steps).
 FALLBACKS = {("cuda", "bf16-mixed", False): "16-mixed"}
-# The oldest Linux driver each CUDA major version of torch's builds needs, and PyTorch's index of
-# those builds (NVIDIA's CUDA release notes: 13.x from 580, 12.x from 525, 11.8 from 450): docs/gpu-setup.md
-CUDA_BUILDS = {"13": (580, "cu130"), "12": (525, "cu126"), "11": (450, "cu118")}
 
 
 def fail(message, code=2):
     """`<program>: error: <message>` on one line of stderr, then exit with `code`."""
     print(f"{Path(sys.argv[0]).name}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
-    raise SystemExit(code)
+    raise SystemExit(code) from None
 
 
 def invoked(*flags):
@@ -79,11 +77,80 @@ def hand_back(guard=True):
         atexit.register(on_signals, signal.SIG_IGN)
 
 
-def stop_while_starting(signum, frame=None):
+def stop_while_starting(signum, frame=None):  # the tools' (benchmark.py, plot_results.py, 08): one line
     name = signal.Signals(signum).name
     print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
     hand_back()
     raise SystemExit(EXIT_ON_SIGNAL[signum])
+
+
+def is_interactive():
+    """Whether Python runs a prompt (IPython, a notebook, python -i), as Lightning tells it."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
+
+
+class AsFound:
+    """What a run changes in the interpreter, as parse_args found it, put back by put_back() however the run ends
+    (RunKeeper's exit, or a refusal before it): Ctrl-C's and SIGTERM's handlers, the environment (LT_PRECISION,
+    the variables Lightning's launcher sets: MASTER_PORT, WORLD_SIZE, OMP_NUM_THREADS...), the warnings filters
+    and torch's threads (that launcher gives each process its share of the cores)."""
+
+    def __init__(self):
+        import torch
+
+        self.handlers = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
+        self.environ, self.threads, self.put = dict(os.environ), torch.get_num_threads(), False
+        self.warnings = warnings.catch_warnings()  # the warnings module's own way to keep the filters and put them back
+        self.warnings.__enter__()
+
+    def put_back(self, guard=False):
+        """The interpreter as found; `guard`: as it exits, Ctrl-C and SIGTERM ignored (no exit code changes)."""
+        import torch
+
+        if not self.put:
+            self.put = True
+            self.warnings.__exit__(None, None, None)
+            for name in set(os.environ) - set(self.environ):
+                del os.environ[name]
+            os.environ.update(self.environ)
+            torch.set_num_threads(self.threads)
+            for signum, handler in self.handlers.items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        if guard:
+            atexit.register(on_signals, signal.SIG_IGN)
+
+    def stop_while_starting(self, signum, frame=None):
+        """Ctrl-C or SIGTERM from the parse to RunKeeper: one line, since nothing of the run exists yet to keep."""
+        name = signal.Signals(signum).name
+        print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
+        self.put_back(guard=True)
+        raise SystemExit(EXIT_ON_SIGNAL[signum])
+
+
+# How a lesson's processes end where a strategy runs them (DDP, FSDP2; Lightning's launcher, torchrun or srun
+# started them): by os._exit with the run's code, once the exit handlers registered since the lesson was parsed
+# have run (Lightning's among them; logging's, registered as it was imported, is called), and never in the
+# interpreter's teardown. There the process group outlives destroy_process_group (the model holds it: DDP's
+# reducer, FSDP2's mesh), and a gloo thread letting go of a collective's tensor aborted the process ("terminate
+# called without an active exception": pytorch/pytorch#190489). Lightning starts no such processes from a prompt
+# (end_as_multi_process_run refuses there), so IPython, a notebook and `python -i` never meet this.
+PROCESS_END: dict = {"registered": False, "code": None}
+
+
+def end_multi_process_run():
+    """The exit handler that ends a lesson's process as PROCESS_END says: with the run's code, or 1 where a
+    traceback followed it; where no run of processes ended, it does nothing."""
+    if PROCESS_END["code"] is None:
+        return
+    on_signals(signal.SIG_IGN)  # Lightning's NCCL exit handler put SIGINT's default back
+    code = 1 if getattr(sys, "last_value", None) is not None else PROCESS_END["code"]
+    logging.shutdown()  # registered at logging's import, before this: its handlers flushed and closed here
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a full disk: nothing more to say
+            pass
+    os._exit(code)
 
 
 class Parser(argparse.ArgumentParser):
@@ -128,6 +195,7 @@ def read_script(path):
             said["compile_mode"] = literal(keywords.get("mode")) or "default"
     tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
     own = [f"[{number}] {change}." for number, change in tags if number == max(n for n, _ in tags)]
+    own = [tag for tag in dict.fromkeys(own) if len(tag.split()) > 2]  # each once, and not a bare "new"
     said["description"] = " ".join([f"{Path(path).name}:", *own, (ast.get_docstring(tree) or "").split("\n\n")[0]])
     return said
 
@@ -157,25 +225,68 @@ def check_path(flag, path, folder=False):
         fail(f"{flag} {path} cannot be written: {why}")
 
 
+class Settings(argparse.Namespace):
+    """A run's settings: each flag's value (argparse's), then what parse_args decides from them, declared here."""
+
+    script: str  # the script's file name
+    kind: str  # "smoke", "synthetic", "smoke-synthetic", or "" (the talk's run)
+    accelerator: str  # "cuda" or "cpu" ("auto" decided)
+    devices: int  # processes per machine
+    world_size: int  # processes in all
+    data_parallel: int  # model replicas: the processes over tensor_parallel
+    micro_batches: int  # parts the loader hands out each batch in (12's gradient accumulation); 1 otherwise
+    tensor_parallel: int  # processes that hold one replica between them (10's); 1 otherwise
+    steps: int  # the optimizer steps the run trains in all, over every epoch
+    whole: bool  # False where --max-steps cut the epochs short
+    batch_note: str  # a smoke run's word on a batch other than the talk's 16, or ""
+    own: dict  # the lesson's own flags, by their first option string, and their values (defaults too)
+    precision_asked: str | None  # what the script's Fabric(...) asks for
+    precision: str | None  # what runs: precision_asked, or its fallback without native bfloat16 (LT_PRECISION)
+    compile_mode: str | None  # the mode of the script's torch.compile(...), or None where it compiles nothing
+    checkpoint_dir_is_default: bool  # checkpoints/<run>/, which the run may remove with checkpoints/ when empty
+    as_found: AsFound  # the interpreter as the run found it, put back as it ends
+
+
+class LessonGroup:
+    """A group of a lesson's flags (add_argument_group, add_mutually_exclusive_group): argparse's, its flags
+    counted as the lesson's own as the parser's are; argparse's group class is private, so this one wraps it."""
+
+    def __init__(self, group, own_flags):
+        self.group, self.own_flags = group, own_flags
+
+    def add_argument(self, *names, **keywords):
+        action = self.group.add_argument(*names, **keywords)
+        self.own_flags.append(action)
+        return action
+
+    def add_mutually_exclusive_group(self, **keywords):
+        return LessonGroup(self.group.add_mutually_exclusive_group(**keywords), self.own_flags)
+
+    def __getattr__(self, name):  # the rest of argparse's group (set_defaults, get_default, ...)
+        return getattr(self.group, name)
+
+
 class LessonParser(Parser):
-    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own. A lesson's
-    flag may set, by its dest, a setting the shared code reads: micro_batches (the loader hands out each
-    batch in that many parts) or tensor_parallel (the processes that hold one replica between them)."""
+    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own, in argparse's words
+    (add_argument, groups). A lesson's flag may set, by its dest, a setting the shared code reads: micro_batches
+    (the loader hands out each batch in that many parts) or tensor_parallel (the processes that hold one replica
+    between them). `devices`: the processes a lesson runs per machine by default, where it runs several; a
+    one-process lesson (None) takes no --devices or --num-nodes. `check(settings)`: the lesson's own relation to
+    what the run derives (its steps, its replicas), a message where it fails, asked before the machine is."""
 
-    own: list | None = None  # the lesson's own flags, as add_argument returns them (after the shared ones)
+    own_flags: list | None = None  # the lesson's, as add_argument returns them (after the shared ones)
 
-    def __init__(self, epochs, devices=None, batch_size=16, loader=True, train_images=None):
-        on_signals(stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
-        self.said, smoke_epochs = read_script(sys.argv[0]), SMOKE_EPOCHS.get(epochs, 2)
-        super().__init__(description=self.said["description"])
-        self.shape, self.train_images = dict(epochs=epochs, devices=devices, batch_size=batch_size), train_images or {}
-        self.shape["smoke_epochs"] = smoke_epochs
+    def __init__(self, epochs, devices=None, batch_size=16, loader=True, train_images=None, check=None):
+        super().__init__()  # the description, the script's own words, is read as it prints --help (read_script)
+        self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
+        self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
+        self.train_images, self.check = train_images or {}, check
         add, number, switch = self.add_argument, dict(type=whole_number(1), metavar="N"), dict(action="store_true")
         add("--smoke", **switch, help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
         add("--synthetic", **switch, help="random images and labels, random init: for throughput and memory")
         steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
         add("--max-steps", **number, help=steps)
-        add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {smoke_epochs})")
+        add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {self.shape['smoke_epochs']})")
         add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
         if loader:
             add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
@@ -193,19 +304,41 @@ class LessonParser(Parser):
         add("--checkpoint-dir", metavar="DIR", help="checkpoints (default checkpoints/<run>/), seen by every machine")
         add("--resume", **switch, help="continue the run in --checkpoint-dir from its last epoch")
         self.set_defaults(micro_batches=1, tensor_parallel=1)
-        self.own = []
+        self.own_flags = []
 
+    # argparse's add_argument is typed to take its keywords one by one; this one hands them on as they come
     def add_argument(self, *names, **keywords):  # type: ignore[override]
         action = super().add_argument(*names, **keywords)
-        if self.own is not None:
-            self.own.append(action)
+        if self.own_flags is not None:
+            self.own_flags.append(action)
         return action
 
-    def flag(self, dest, otherwise):  # the lesson's flag that sets `dest`, or `otherwise`
-        return next((a.option_strings[0] for a in self.own or [] if a.dest == dest and a.option_strings), otherwise)
+    def add_argument_group(self, *args, **keywords):  # type: ignore[override]  (a LessonGroup, not argparse's class)
+        group = super().add_argument_group(*args, **keywords)
+        return group if self.own_flags is None else LessonGroup(group, self.own_flags)
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
-        given = super().parse_args(args, namespace)
+    def add_mutually_exclusive_group(self, **keywords):  # type: ignore[override]  (likewise)
+        group = super().add_mutually_exclusive_group(**keywords)
+        return group if self.own_flags is None else LessonGroup(group, self.own_flags)
+
+    def flag(self, dest, otherwise):  # the lesson's flag that sets `dest`, or `otherwise`
+        flags = [a.option_strings[0] for a in self.own_flags or [] if a.dest == dest and a.option_strings]
+        return flags[0] if flags else otherwise
+
+    # argparse's parse_args returns a Namespace; this one returns Settings, a Namespace
+    def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]
+        """The settings (Settings), or one line and exit 2; the interpreter as found where it refuses."""
+        as_found = AsFound()
+        try:
+            settings = self.settle(super().parse_args(args, namespace or Settings()), as_found)
+        except SystemExit:
+            as_found.put_back()
+            raise
+        on_signals(as_found.stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
+        return settings
+
+    def settle(self, given, as_found):
+        said = read_script(sys.argv[0])
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
         given_data = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
         ignored = " and ".join(given_data)
@@ -215,21 +348,22 @@ class LessonParser(Parser):
             self.error("--vit: a smoke run trains its own small ViT; drop it")
         places = place_processes(given, self)
         sizes = settle_sizes(given, self, kind, places)
+        machine = places.pop("problem")  # what the machine refuses, said after the lesson's own refusals
         defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
         chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
         named = [how.format(chosen[key]) for key, how in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
-        actions = [a for a in self.own or [] if a.dest != argparse.SUPPRESS]
-        flags = [(a.option_strings or [a.dest])[0] for a in actions]
-        values = [json.loads(json.dumps(getattr(given, a.dest), default=str)) for a in actions]
-        starts = [a.type(a.default) if isinstance(a.default, str) and callable(a.type) else a.default for a in actions]
-        changed = [(flag, value) for flag, value, start in zip(flags, values, starts) if value != start]
-        named += [flag.lstrip("-") + ("" if isinstance(value, bool) else str(value)) for flag, value in changed]
+        own = own_settings(self.own_flags or [], given)
+        named += [name_part(flag, value) for flag, (value, default) in own.items() if value != default]
         name = "-".join(part for part in [Path(sys.argv[0]).stem, kind, *named] if part)
         vars(given).update(places, **sizes, script=Path(sys.argv[0]).name, kind=kind, vit=chosen["vit"])
-        given.own = dict(zip(flags, values))  # the lesson's own settings, by their flags, defaults included
-        asked, given.data_dir = self.said["precision"], given.data_dir or "data"
-        given.precision = precision_that_runs(asked, places["accelerator"], self.said["sharded"])
-        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=self.said["compile_mode"])
+        given.own = {flag: value for flag, (value, _) in own.items()}
+        if self.check and (wrong := self.check(given)):
+            self.error(wrong)
+        if machine:
+            fail(machine)
+        asked, given.data_dir = said["precision"], given.data_dir or "data"
+        given.precision = precision_that_runs(asked, places["accelerator"], said["sharded"])
+        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=said["compile_mode"])
         vars(given).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
@@ -240,12 +374,50 @@ class LessonParser(Parser):
             fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
         if not kind and not given.no_download:
             check_path("--data-dir", given.data_dir, folder=True)
+        if self.shape["devices"] is not None:  # a strategy of processes (DDP, FSDP2), even of one
+            end_as_multi_process_run()
         # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
         # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
         if given.precision != asked:
             os.environ["LT_PRECISION"] = given.precision  # read by the lesson's Fabric(...)
+        given.as_found = as_found
         return given
+
+    def format_help(self):  # the script's own words first: its tagged lines, its docstring (read_script)
+        self.description = read_script(sys.argv[0])["description"]
+        return super().format_help()
+
+
+def own_settings(actions, given):
+    """The lesson's own flags, by their first option string (a positional's by its dest): (value, default), as
+    JSON values; argparse applies a flag's type to a default given as text, so this does too."""
+    own = {}
+    for action in (a for a in actions if a.dest != argparse.SUPPRESS):
+        default = action.default
+        if isinstance(default, str) and callable(action.type):
+            default = action.type(default)
+        as_json = [json.loads(json.dumps(v, default=str)) for v in (getattr(given, action.dest), default)]
+        own[(action.option_strings or [action.dest])[0]] = tuple(as_json)
+    return own
+
+
+def name_part(flag, value):
+    """A changed setting in a run's name: a switch by its flag alone, a value after it (a list by commas)."""
+    if isinstance(value, bool):
+        return flag.lstrip("-")
+    return flag.lstrip("-") + (",".join(map(str, value)) if isinstance(value, list) else str(value))
+
+
+def end_as_multi_process_run():
+    """A lesson whose strategy runs processes (Lightning's launcher starts them, even one): at a prompt, one line
+    (that launcher refuses to run there); else its process ends as PROCESS_END says, after the exit handlers."""
+    if is_interactive():
+        how = f"from a shell: {invoked(*sys.argv[1:])}"
+        fail(f"this lesson's processes are started by Lightning's launcher, which cannot run at a prompt: run it {how}")
+    if not PROCESS_END["registered"]:
+        PROCESS_END["registered"] = True
+        atexit.register(end_multi_process_run)
 
 
 def place_processes(given, parser):
@@ -253,11 +425,11 @@ def place_processes(given, parser):
     import torch
 
     devices, cuda_count = parser.shape["devices"], torch.cuda.device_count() if torch.cuda.is_available() else 0
-    accelerator = given.accelerator
+    accelerator, problem = given.accelerator, None  # the machine's refusal, said after the lesson's own (settle)
     if accelerator == "auto" and cuda_count == 0 and not given.smoke:
         hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
-        cpu = f"try {hint}, or add --accelerator cpu to insist"
-        fail(unusable_gpu() or f"no CUDA GPU found. A full run on a CPU takes about a day: {cpu}.")
+        cpu = f"A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
+        problem = no_gpu(cpu) or f"no CUDA GPU found. {cpu}"
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
     default_devices = 1 if devices is None else min(devices, 2) if given.smoke and accelerator == "cpu" else devices
@@ -265,7 +437,12 @@ def place_processes(given, parser):
     num_nodes, group = 1 if devices is None else given.num_nodes, given.tensor_parallel
     if accelerator == "cuda" and count > cuda_count:
         asked = f"--devices {count}" if devices else "--accelerator cuda"
-        fail(unusable_gpu() or f"asked for {count} GPU(s) per machine ({asked}) but this machine has {cuda_count}.")
+        if not cuda_count:
+            none = f"asked for {count} GPU(s) per machine ({asked}) but this machine has 0."
+            problem = no_gpu(none[0].upper() + none[1:]) or none
+        else:
+            flags = flags_for(started_flags(), cuda_count, group, parser.flag("tensor_parallel", None))
+            problem = fewer(count, cuda_count, asked, invoked(*flags, *(["--resume"] if given.resume else [])))
     cores = os.cpu_count() or 1
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
@@ -275,7 +452,7 @@ def place_processes(given, parser):
         flag = parser.flag("tensor_parallel", "tensor_parallel")
         parser.error(f"{flag} {group} does not divide the {world} processes")
     places = dict(accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=world)
-    return places | {"data_parallel": world // group, "defaults": {"world_size": default_devices}}
+    return places | {"data_parallel": world // group, "defaults": {"world_size": default_devices}, "problem": problem}
 
 
 def settle_sizes(given, parser, kind, places):
@@ -292,19 +469,24 @@ def settle_sizes(given, parser, kind, places):
         parser.error(f"{parser.flag('micro_batches', 'micro-batches')} {micro}: {split}")
     note, images = "", None if given.synthetic else parser.train_images.get(kind or "full")
     if given.smoke and SMOKE_GLOBAL_BATCH % replicas and batch == default_batch:
-        note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16: 16 does not divide by {replicas}."
+        note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16:"
+        note += f" 16 does not divide by {replicas}."
     if images is not None and batch * replicas > images:
         none = f"the {images:,} training images of a {kind or 'full'} run make no batch of {batch} for each of"
         largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
         parser.error(f"--batch-size {batch}: {none} {largest}")
+    per_epoch = images // replicas // batch if images is not None else max_steps  # the loader drops a last part
+    per_epoch = min(per_epoch, max_steps) if max_steps else per_epoch
     sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, whole=given.synthetic or max_steps is None)
+    sizes["steps"] = per_epoch * epochs
     steps = given.synthetic and SYNTHETIC_STEPS or None
     defaults = dict(epochs=default_epochs, batch_size=default_batch, max_steps=steps)
     return sizes | {"batch_note": note, "defaults": defaults}
 
 
 def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the started processes cannot be the run the flags ask for: all stop, the first says why."""
+    """One line, exit 2, where the started processes cannot be the run the flags ask for: all stop, the first
+    says why."""
     env, one = os.environ, "" if takes_devices else " (one process)"
     asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
     job, problem = env.get("SLURM_JOB_NAME"), None
@@ -312,45 +494,30 @@ def check_launch(devices, num_nodes, takes_devices):
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
         per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
         if "SLURM_STEP_ID" not in env and ntasks > 1:
-            problem = f"SLURM gave this job {ntasks} tasks, but this process was started without srun, so it would wait for the others forever: start it with srun {invoked(*sys.argv[1:])}"
+            problem = f"SLURM gave this job {ntasks} tasks, but this process was started without srun, so it would"
+            problem += f" wait for the others forever: start it with srun {invoked(*sys.argv[1:])}"
         elif "SLURM_NTASKS_PER_NODE" not in env:
-            problem = f"SLURM started {ntasks} tasks with --ntasks, which does not say how many run on each machine: use #SBATCH --ntasks-per-node (one task per GPU) instead"
+            problem = f"SLURM started {ntasks} tasks with --ntasks, which does not say how many run on each machine:"
+            problem += " use #SBATCH --ntasks-per-node (one task per GPU) instead"
         elif (per_node, nodes) != (devices, num_nodes):
-            problem = f"SLURM started {per_node} task(s) per machine on {nodes} machine(s) (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for {asked}: make the two agree (one task per GPU)"
+            started = f"{per_node} task(s) per machine on {nodes} machine(s)"
+            problem = f"SLURM started {started} (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for"
+            problem += f" {asked}: make the two agree (one task per GPU)"
     elif "TORCHELASTIC_RUN_ID" in env:
         local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
         if (local, world) != (devices, devices * num_nodes):
-            problem = f"torchrun started {local} process(es) here and {world} in all, but the flags ask for {asked}: make --nproc-per-node and --nnodes agree with them"
+            problem = f"torchrun started {local} process(es) here and {world} in all, but the flags ask for {asked}:"
+            problem += " make --nproc-per-node and --nnodes agree with them"
     elif num_nodes > 1 and "NODE_RANK" not in env:
-        problem = f"--num-nodes {num_nodes}: processes on other machines need a launcher: srun in a SLURM job, or torchrun on each machine (README: Running on several machines)."
+        launcher = "srun in a SLURM job, or torchrun on each machine (README: Running on several machines)"
+        problem = f"--num-nodes {num_nodes}: processes on other machines need a launcher: {launcher}."
         if job in INTERACTIVE:
-            problem += f" Inside `srun --pty bash` (SLURM job name {job!r}) Lightning does not use SLURM: submit the job script with sbatch instead."
+            problem += f" Inside `srun --pty bash` (SLURM job name {job!r}) Lightning does not use SLURM:"
+            problem += " submit the job script with sbatch instead."
     if problem and int(env.get("SLURM_PROCID", env.get("RANK", "0"))) == 0:
         fail(problem)
     if problem:
         raise SystemExit(2)
-
-
-def unusable_gpu():
-    """Where nvidia-smi lists a GPU this torch cannot use (a CPU build, or a CUDA build newer than the
-    driver), the line that says so and names the build that fits; else None (GPUs hidden on purpose too)."""
-    smi = shutil.which("nvidia-smi")
-    if not smi or os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
-        return None
-    try:
-        query = [smi, "--query-gpu=name,driver_version", "--format=csv,noheader"]
-        listed = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()
-        gpu, driver = listed[0].split(", ")
-        major = next(cuda for cuda, (least, _) in CUDA_BUILDS.items() if int(driver.split(".")[0]) >= least)
-    except (OSError, subprocess.SubprocessError, IndexError, ValueError, StopIteration):
-        return None  # no GPU listed, or no build for so old a driver: torch's own line says the rest
-    import torch
-
-    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
-    cure = f"install a CUDA {major} build: pip install torch torchvision --index-url https://download.pytorch.org/whl/{CUDA_BUILDS[major][1]}"
-    if (torch.version.cuda or "").split(".")[0] == major:  # the build fits: the driver or the machine does not
-        cure = "this build fits the driver: check that the driver works (nvidia-smi -q) and that nothing hides the GPU"
-    return f"nvidia-smi sees {gpu} (driver {driver}), but this torch {torch.__version__} ({build}) cannot use it: {cure} (docs/gpu-setup.md)."
 
 
 def cpu_model_and_flags():
@@ -393,14 +560,15 @@ def device_name(accelerator):
     return f"CPU {model or 'unknown'} ({os.cpu_count()} cores{''.join(', ' + u for u in units)})"
 
 
-def fallback_line(config):
+def fallback_line(args):
     """What a run says where the device has no native bfloat16, or None."""
-    ran, asked = config.precision, config.precision_asked
+    ran, asked = args.precision, args.precision_asked
     if ran == asked:
         return None
-    if config.accelerator == "cuda":
+    if args.accelerator == "cuda":
         why = " (Fabric's FSDP2 strategy takes no 16-mixed)" if ran == "32-true" and asked == "bf16-mixed" else ""
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: running {ran} instead of {asked}{why}."
     slow = "emulated bfloat16 runs many times slower than float32; the record says both. What bfloat16 saves in time"
     where = "and memory shows on a CPU with AVX512-BF16 or AMX, or a GPU from Ampere on (docs/smoke.md)."
-    return f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX): running {ran} instead of {asked}, since {slow} {where}"
+    none = f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX)"
+    return f"{none}: running {ran} instead of {asked}, since {slow} {where}"

@@ -21,11 +21,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
-from run_keeping.config import hand_back, invoked, on_signals, resume_command, started_flags
+from run_keeping.config import PROCESS_END, invoked, on_signals, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
 
-PRINT_EVERY = 300  # the scripts print the loss every 300 batches: the loss is checked then
+PRINT_EVERY = 300  # the loss is checked every 300 batches, the talk's print interval (09 prints every 100)
+MEET_WITHIN = 60  # seconds a finished process waits at the end for the others, whose files are written by then
+FAILED = ".failed-process-"  # beside the lock: a process that failed with an error names itself for the others
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
@@ -48,22 +50,47 @@ class RunKeeper:
     """`with RunKeeper(args, fabric) as keeper:` around a script's run, which calls keep_in_checkpoints(), resume(),
     batch_done() after each batch, checkpoint() after each epoch and finish(): docs/run-keeping.md."""
 
-    def __init__(self, config, fabric=None):
-        self.config, self.fabric, self.folder = config, fabric, Path(config.checkpoint_dir)
+    def __init__(self, args, fabric=None):
+        self.args, self.fabric, self.folder = args, fabric, Path(args.checkpoint_dir)
         self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
-        self.lock = self.last = self.scheduler = self.epoch_loss = self.epoch_timer = None
-        self.finished, self.start_epoch, self.kept, self.batch_in_epoch, self.train_loss = False, 0, 0, 0, []
-        self.signum, self.deferred, self.peak_gb = signal.SIGINT, None, 0.0
+        # What it keeps of the run, all of it here: the folder's lock, the last checkpoint kept, the epochs it holds,
+        self.lock: FolderLock | None = None
+        self.last: Path | None = None
+        self.kept = self.start_epoch = 0
+        # the figures of the epochs trained (a resumed run's earlier ones too) and the peak memory of every session,
+        self.train_loss: list[float] = []
+        self.val_acc: list[float] = []
+        self.lr: list[float] = []
+        self.peak_gb = 0.0
+        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # before a --resume
+        # this session's timing and the epoch in progress (batch_done),
+        self.checkpoint_s: list[float] = []
+        self.started = 0.0
+        self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
+        self.epoch_timer: float | None = None
+        self.epoch_images = self.batch_in_epoch = 0
+        self.epoch_loss: torch.Tensor | None = None
+        self.first_bad = torch.tensor(-1.0)
+        self.epoch_lr = 0.0
+        self.cpu_at_start = cpu_times()
+        # what resume() is handed and what the model starts from, the scheduler checkpoints keep,
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.scheduler: Any = None
+        self.batches_per_epoch = 0
+        self.init = "random init"
+        # and how it ends: the signal that interrupts it, one noted while it must not, whether it finished
+        self.signum, self.deferred, self.finished = signal.SIGINT, None, False
         on_signals(self.on_signal)  # Ctrl-C and SIGTERM: KeyboardInterrupt wherever the run is
         try:  # a collective: every process takes part, and all stop where one cannot go on
             restart = self.agree(self.claim_folder)
-        except SystemExit:  # refused: nothing of this run is left behind, no lock, no folder
+        except SystemExit as refused:  # refused: nothing of this run is left behind, no lock, no folder
             self.let_go()
-            hand_back()
+            self.end(refused.code if isinstance(refused.code, int) else 1)
             raise
-        self.resuming = config.resume or bool(restart)
+        self.resuming = args.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        self.say(fallback_line(config), f"{restart}: continuing the run in {self.folder}." if restart else None)
+        self.say(fallback_line(args), f"{restart}: continuing the run in {self.folder}." if restart else None)
 
     def __enter__(self):
         return self
@@ -75,36 +102,66 @@ class RunKeeper:
     def defer_signal(self, signum, frame):  # while the last files are written, or a checkpoint is named
         self.deferred = self.deferred or signum
 
-    def __exit__(self, kind, error, traceback):
+    def __exit__(self, exc_type, error, traceback):
         """One line and an exit code for an interruption or a known error, else a traceback; then it hands back."""
         on_signals(self.defer_signal)  # a signal from here on changes nothing: noted, said below
         code, message = 0, None
-        if kind and issubclass(kind, KeyboardInterrupt):
+        if exc_type and issubclass(exc_type, KeyboardInterrupt):
             code, message = EXIT_ON_SIGNAL[self.signum], self.interrupted_line(self.signum)
-        elif kind and issubclass(kind, SystemExit):
+        elif exc_type and issubclass(exc_type, SystemExit):
             code = error.code if isinstance(error.code, int) else 1  # its line is said
-        elif kind:
-            message, code = explain(error, self.config, self.rank, self.world_size, self.last) or (None, None)
-        elif self.deferred:  # a signal while the finished run wrote its files, or since
+        elif exc_type:
+            message, code = explain(error, self.args, self.rank, self.world_size, self.last) or (None, None)
+            if code is None and self.world_size > 1:  # the others, stopped by its leaving, name this process
+                note_failure(self.folder, self.rank, self.world_size)
+        if exc_type is None and self.world_size > 1:  # every process finished: the collectives in flight end
+            code, message = self.meet_at_the_end()
+        if not code and self.deferred:  # a signal while the finished run wrote its files, or since
             code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
         self.let_go()
-        self.say(message and f"\n{self.config.script}: {message}", to=sys.stderr)
-        if torch.distributed.is_initialized():  # no gloo work or thread left for the shutdown (pytorch#190489)
-            if kind is None:  # every process finished (signal or not): the collectives still in flight end first
-                torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
-            time.sleep(0.25)  # gloo's threads free the last collectives' tensors before the shutdown, where it aborts
-        hand_back(guard=code is not None)  # after a traceback, Ctrl-C ends the process as in any program
+        self.say(message and f"\n{self.args.script}: {message}", to=sys.stderr)
+        self.end(code)
         if code:
             raise SystemExit(code) from None
         return False  # finished (0), or an error nobody can act on but by reading its traceback (None)
+
+    def meet_at_the_end(self):
+        """(0, None) once every process has finished; a signal meanwhile ends the wait with its code and line, and a
+        process that never comes with exit 3 after MEET_WITHIN seconds. The wait is torch's barrier, started and
+        then polled, so that Python's signal handlers run while it waits (a blocking one runs none until it ends)."""
+        met, deadline = torch.distributed.barrier(async_op=True), time.monotonic() + MEET_WITHIN
+        assert met is not None, "barrier(async_op=True) returns its work"
+        while not met.is_completed():
+            if self.deferred:
+                return EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
+            if time.monotonic() > deadline:
+                lost = f"another process did not reach the run's end within {MEET_WITHIN} s (lost, or stuck)"
+                return 3, f"error: {lost}; the run finished: its record is in {self.args.results}."
+            time.sleep(0.01)
+        try:
+            met.wait()  # raises where the barrier failed: a process was lost after it finished
+        except RuntimeError as err:
+            lost = f"a process of the run was lost at its end ({first_line(err, 160)})"
+            return 3, f"error: {lost}; the run finished: its record is in {self.args.results}."
+        return 0, None
+
+    def end(self, code):
+        """Hands back: the process group destroyed where every process met at the end (a process that did not may
+        hold a collective open, which destroying would wait for), the interpreter as found (Python's handlers
+        again, for a prompt, a notebook, a debugger); the code a multi-process run's process ends with."""
+        distributed = torch.distributed.is_initialized()
+        if distributed and code == 0:
+            torch.distributed.destroy_process_group()
+        self.args.as_found.put_back(guard=code is not None)  # after a traceback, Ctrl-C ends it as in any program
+        if distributed:
+            PROCESS_END["code"] = 1 if code is None else code
 
     def let_go(self):
         """The folder let go of, and removed if nothing of the run is left in it."""
         if self.lock:
             self.lock.release()
             self.lock = None
-            top = self.folder.parent if self.config.checkpoint_dir_is_default else self.folder
+            top = self.folder.parent if self.args.checkpoint_dir_is_default else self.folder
             for folder in (self.folder, top):
                 if folder.is_dir() and not any(folder.iterdir()):
                     folder.rmdir()
@@ -115,7 +172,8 @@ class RunKeeper:
                 print(line, file=to or sys.stdout, flush=True)
 
     def agree(self, action):
-        """`action` here; where it failed in any process, every one exits with the highest code (the failing one said why)."""
+        """`action` here; where it failed in any process, every one exits with the highest code (the failing one
+        said why)."""
         code, result = 0, None
         try:
             result = action()
@@ -124,23 +182,26 @@ class RunKeeper:
         if self.fabric and self.world_size > 1:
             failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
-                why = f"process {self.rank} of {self.world_size} stops too: another process could not go on (its line says why)."
-                print(f"{self.config.script}: error: {why}", file=sys.stderr, flush=True)
+                why = f"process {self.rank} of {self.world_size} stops too: another process could not go on"
+                why += " (its line says why)."
+                print(f"{self.args.script}: error: {why}", file=sys.stderr, flush=True)
             code = failed
         if code:
             raise SystemExit(code)
         return result
 
     def claim_folder(self):
-        """Process 0 locks the folder; all read whether the run continues the one in it: why a launcher restarted it, or None."""
+        """Process 0 locks the folder; all read whether the run continues the one in it: why a launcher restarted
+        it, or None."""
         if self.rank == 0:
             self.lock = FolderLock(self.folder)
-            for leftover in self.folder.glob("*.tmp"):  # a write that was cut off
+            for leftover in [*self.folder.glob("*.tmp"), *self.folder.glob(f"{FAILED}*")]:  # a write cut off, a note
                 remove(leftover)
-        exists, latest, c = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}, self.config
+        exists, latest, c = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}, self.args
         restart = restart_reason(latest)
         if exists and not c.resume and not restart:
-            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {self.start_over()}"
+            afresh = start_over(self.folder, c.checkpoint_dir_is_default)
+            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {afresh}"
             fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
         if c.resume and not exists:
             others = sorted(self.folder.parent.glob(f"{Path(c.script).stem}*/{LATEST}"))
@@ -152,23 +213,16 @@ class RunKeeper:
             fail(" ".join([f"--resume: nothing to resume in {self.folder} (no {LATEST}).", *hint]))
         return restart
 
-    def start_over(self):
-        """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
-        empty = f" && rmdir {shlex.quote(str(self.folder.parent))} 2>/dev/null"
-        parent = empty if self.config.checkpoint_dir_is_default else ""
-        return f"start over with: rm -rf {shlex.quote(str(self.folder))}{parent}; {invoked(*started_flags())}"
-
     def keep_in_checkpoints(self, scheduler):  # a learning-rate scheduler, in each checkpoint
         self.scheduler = scheduler
 
     def resume(self, model, optimizer, train_loader):
-        """Before training; with --resume (or a launcher's restart), the last checkpoint's state and the loader's order."""
+        """Before training; with --resume (or a launcher's restart), the last checkpoint's state and the loader's
+        order."""
         self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
         self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.say(kind_line(self.config, self.init) if self.config.kind else None)
-        self.val_acc, self.lr, self.checkpoint_s, self.cpu_at_start = [], [], [], cpu_times()
-        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}
-        self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
+        self.say(kind_line(self.args, self.init) if self.args.kind else None)
+        self.cpu_at_start = cpu_times()  # the computing thread's waits count from here
         if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
             held = torch.zeros(self.world_size, dtype=torch.float64)
             held[self.rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
@@ -180,7 +234,7 @@ class RunKeeper:
                 for _ in range(self.start_epoch):  # times it was iterated
                     next(iter(train_loader), None)
             torch.set_rng_state(rng)  # after those: each iteration draws a seed from it
-            self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.config.epochs} epochs done.")
+            self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.args.epochs} epochs done.")
         self.started = time.perf_counter()  # the loop starts now
 
     def batch_done(self, loss, batch_size):
@@ -196,7 +250,7 @@ class RunKeeper:
         self.batch_in_epoch += 1
         if self.batch_in_epoch % PRINT_EVERY == 1:
             self.check_loss()
-        optimizer_step = self.batch_in_epoch % self.config.micro_batches == 0
+        optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
         if self.epoch_timer is not None:
@@ -206,11 +260,11 @@ class RunKeeper:
                 self.timed_seconds += self.now() - self.epoch_timer
         elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
             self.epoch_timer, self.epoch_images = self.now(), 0
-            if self.steps_this_session == WARMUP_STEPS and self.config.accelerator == "cuda":
+            if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
 
     def now(self):  # once the device has done what it was given
-        if self.config.accelerator == "cuda":
+        if self.args.accelerator == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
@@ -220,11 +274,12 @@ class RunKeeper:
         bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")  # reduced in place
         if bad < float("inf"):
             value = f"{self.epoch_loss:g}" if first == bad else "not finite in another process"
-            stop = f"the loss is {value} at epoch {len(self.train_loss) + 1}, batch {int(bad)}: stopping; no checkpoint or record written for it."
-            self.say(f"{self.config.script}: error: {stop}", to=sys.stderr)
+            where = f"at epoch {len(self.train_loss) + 1}, batch {int(bad)}"
+            stop = f"the loss is {value} {where}: stopping; no checkpoint or record written for it."
+            self.say(f"{self.args.script}: error: {stop}", to=sys.stderr)
             raise SystemExit(1)
 
-    def checkpoint(self, epoch, model, optimizer, val_acc):
+    def checkpoint(self, val_acc):
         """After an epoch's validation: its figures, and the checkpoint to continue from."""
         self.check_loss()
         assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
@@ -235,31 +290,32 @@ class RunKeeper:
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
         self.epoch_loss, self.epoch_timer, self.batch_in_epoch = None, None, 0
-        if self.config.synthetic and len(self.train_loss) == self.config.epochs:
+        if self.args.synthetic and len(self.train_loss) == self.args.epochs:
             return  # a synthetic run measures: after its last epoch nothing is left to continue
-        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.config.accelerator))
+        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
         began = time.perf_counter()
         self.agree(self.save_checkpoint)
         self.checkpoint_s.append(time.perf_counter() - began)
-        if self.config.accelerator == "cpu":  # a write's copy of the state is not training's memory:
+        if self.args.accelerator == "cpu":  # a write's copy of the state is not training's memory:
             with open("/proc/self/clear_refs", "w") as f:  # the peak resident memory starts again
                 f.write("5")
 
     def timed_totals(self):
-        """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, and before a --resume."""
+        """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, and those before a
+        --resume."""
         images, seconds = float(self.timed_images), self.timed_seconds
         if self.fabric and self.world_size > 1:
-            images = float(reduced(self.fabric, images, "sum")) * self.config.data_parallel / self.world_size
+            images = float(reduced(self.fabric, images, "sum")) * self.args.data_parallel / self.world_size
             seconds = float(reduced(self.fabric, seconds, "max"))
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def save_checkpoint(self):
-        c, done = self.config, len(self.train_loss)
+        c, done = self.args, len(self.train_loss)
         name = f"epoch-{done:04d}.ckpt"
         final, partial = self.folder / name, self.folder / (name + ".tmp")
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
-        progress = {"epochs_done": done, "train_loss": self.train_loss, "lr": self.lr, "val_acc": self.val_acc}
+        progress: dict[str, Any] = dict(epochs_done=done, train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
         progress |= {
             "train_time_s": train_time_s,
             "timed_images": images,
@@ -305,9 +361,10 @@ class RunKeeper:
                 raise KeyboardInterrupt
 
     def load_checkpoint(self):
-        latest, c, start_over = read_json(self.folder / LATEST), self.config, self.start_over()
+        latest, c = read_json(self.folder / LATEST), self.args
+        afresh = start_over(self.folder, c.checkpoint_dir_is_default)
         if not isinstance(latest, dict):
-            fail(f"--resume: {self.folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {start_over}")
+            fail(f"--resume: {self.folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {afresh}")
         path, saved = self.folder / str(latest.get("checkpoint")), latest.get("settings") or {}
         mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}, **c.own}
         theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
@@ -315,7 +372,7 @@ class RunKeeper:
         as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
         if differences:
             made = f"the checkpoint in {self.folder} was made with {', '.join(differences)}"
-            fail(f"--resume: {made}; {as_started}; or {start_over}")
+            fail(f"--resume: {made}; {as_started}; or {elsewhere(self.folder)}")
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {"scheduler": self.scheduler} if self.scheduler else {}
         try:
@@ -328,7 +385,7 @@ class RunKeeper:
         except Exception as err:  # a truncated or foreign file fails in many ways
             why = why_unloadable(err)
             if "damaged" in why or "not a file" in why:
-                fail(f"--resume: cannot load {path} ({why}); {start_over}")
+                fail(f"--resume: cannot load {path} ({why}); {afresh}")
             other = "it was made by another script or version"
             fail(f"--resume: {path} does not fit what this script builds ({why}): {other}; {as_started}")
         progress, self.last = state["progress"], path
@@ -340,7 +397,7 @@ class RunKeeper:
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
         on_signals(self.defer_signal)  # all or nothing: a signal waits until the files are written
-        c, test_acc = self.config, None if self.config.synthetic else test_acc
+        c, test_acc = self.args, None if self.args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
         peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
@@ -349,14 +406,16 @@ class RunKeeper:
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
-        untimed = f"Throughput not measured (a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed)"
+        untimed = f"a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed"
+        untimed = f"Throughput not measured ({untimed})"
         lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {peak:.02f} GB"]  # the talk's, then ours
         lines += [f"Throughput {images_per_s:.1f} training images/s" if images_per_s else untimed]
         lines += ["Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"]
         written = (
             f"Checkpoints: {len(self.checkpoint_s)} written in {sum(self.checkpoint_s):.1f} s, not in the time above"
         )
-        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program was using the cores): its time and throughput are not comparable"
+        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program"
+        busy += " was using the cores): its time and throughput are not comparable"
         self.say(*lines, written if self.checkpoint_s else None, busy if waited > BUSY_WAIT else None)
         measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s, peak_memory_gb=round(peak, 4))
         measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if c.synthetic else self.val_acc)
@@ -366,16 +425,19 @@ class RunKeeper:
         def keep():
             if self.rank == 0:
                 if c.synthetic:
-                    kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {invoked(*started_flags())}"
+                    again = invoked(*started_flags())
+                    kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {again}"
                 else:
-                    kept = f"the checkpoint of the finished training is kept in {self.folder}: finish with: {resume_command()}"
+                    kept = f"the checkpoint of the finished training is kept in {self.folder}"
+                    kept += f": finish with: {resume_command()}"
                 write_atomically(c.save_model, state, then=kept)
                 compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
                 record = build(c, self.fabric, compiled, measured)
                 append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
                 for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
                     remove(checkpoint)
-                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave it out unless asked."
+                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave"
+                cut_short += " it out unless asked."
                 self.say(kind_line(c, self.init) if c.kind else None, None if c.whole else cut_short)
                 self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
 
@@ -383,20 +445,47 @@ class RunKeeper:
         self.finished = True
 
     def interrupted_line(self, signum):
-        name, c = signal.Signals(signum).name, self.config
+        name, c = signal.Signals(signum).name, self.args
         if self.finished:
-            return f"interrupted ({name}) after the run finished: its record is in {c.results} and its model in {c.save_model}."
+            where = f"its record is in {c.results} and its model in {c.save_model}"
+            return f"interrupted ({name}) after the run finished: {where}."
         trained, batches, losing = len(self.train_loss), self.batch_in_epoch, ""
         if trained > self.kept:  # between an epoch's end and its checkpoint's name in latest.json
             losing = f"; epoch {trained}, whose checkpoint was being written, is not kept"
         elif batches:
             losing = f"; the {batches} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            return f"interrupted ({name}); the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}; continue with: {resume_command()}"
+            held = f"the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}"
+            return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
 
-def explain(error, config, rank, world_size, last_checkpoint):
+def start_over(folder, default_folder):
+    """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
+    parent = f" && rmdir {shlex.quote(str(folder.parent))} 2>/dev/null" if default_folder else ""
+    return f"start over with: rm -rf {shlex.quote(str(folder))}{parent}; {invoked(*started_flags())}"
+
+
+def elsewhere(folder):
+    """The command that starts this run in a folder of its own, the checkpoint in `folder` left as it is."""
+    number = next(n for n in range(2, 10**6) if not Path(f"{folder}-{n}").exists())
+    flags, skip = [], False
+    for flag in started_flags():  # all but an earlier --checkpoint-dir
+        if not skip and not flag.startswith("--checkpoint-dir"):
+            flags.append(flag)
+        skip = flag == "--checkpoint-dir"
+    return f"start this one in a folder of its own: {invoked(*flags, '--checkpoint-dir', f'{folder}-{number}')}"
+
+
+def note_failure(folder, rank, world_size):
+    """A file in the run's folder (every machine sees it) that names this process as failed with an error."""
+    try:
+        (folder / f"{FAILED}{rank}").write_text(f"process {rank} of {world_size}\n")
+    except OSError:
+        pass  # the others then say that a process was lost
+
+
+def explain(error, args, rank, world_size, last_checkpoint):
     """(one line, exit code) for an error a user can act on (flags-records-exit-codes.md), or None."""
     reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
@@ -405,12 +494,18 @@ def explain(error, config, rank, world_size, last_checkpoint):
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
             needs = "a C++ compiler (install g++)"
-            needs = "Triton and a C compiler (install gcc)" if config.accelerator == "cuda" else needs
+            needs = "Triton and a C compiler (install gcc)" if args.accelerator == "cuda" else needs
             return f"error: torch.compile could not compile the model ({reason}): here it needs {needs}, {without}.", 2
         return f"error: torch.compile failed ({type(error).__name__}: {first_line(error)}); {without}.", 1
     if isinstance(error, torch.OutOfMemoryError):
-        oom = f"the GPU ran out of memory at --batch-size {config.batch_size} ({first_line(reason, 160)})"
+        oom = f"the GPU ran out of memory at --batch-size {args.batch_size} ({first_line(reason, 160)})"
         return f"error: {oom}: try a smaller --batch-size.", 1
+    failed = sorted(Path(args.checkpoint_dir).glob(f"{FAILED}*")) if lost else []
+    if failed:  # not lost: a process failed with an error, and said it in its traceback
+        which = " and ".join(f.read_text().strip() for f in failed)
+        for marker in failed:
+            remove(marker)
+        return f"error: {which} failed with an error (its traceback says which). Process {rank} stops too.", 1
     if lost:
         peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))
         which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
@@ -511,7 +606,7 @@ def opening_line(fabric, rank, world_size):
     return f"Process {rank} of {world_size}, started by {by}." if by else "One process, started without a launcher."
 
 
-def kind_line(config, init):
-    what = WHAT_RUNS[config.kind].format(init=init, vit=VITS[config.vit])
-    run = f"{config.kind.upper().replace('-', '+')} RUN on {device_name(config.accelerator)}: {what}."
-    return f"{run} Not the talk's experiment; its figures are not the talk's.{config.batch_note}"
+def kind_line(args, init):
+    what = WHAT_RUNS[args.kind].format(init=init, vit=VITS[args.vit])
+    run = f"{args.kind.upper().replace('-', '+')} RUN on {device_name(args.accelerator)}: {what}."
+    return f"{run} Not the talk's experiment; its figures are not the talk's.{args.batch_note}"

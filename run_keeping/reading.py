@@ -32,10 +32,8 @@ def lesson_rows():
     found = [(number, row) for (number, _), row in zip(lines[1:], rows)]
     for number, row in found:
         if None in row or None in row.values():  # csv's marks of a field too many, or too few
-            more = "more" if None in row else "fewer"
-            raise ValueError(
-                f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {len(rows.fieldnames or [])}"
-            )
+            more, header = "more" if None in row else "fewer", len(rows.fieldnames or [])
+            raise ValueError(f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {header}")
     return found
 
 

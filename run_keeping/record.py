@@ -13,15 +13,16 @@ from pathlib import Path
 
 from run_keeping.config import device_name, fail
 
-VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest
+VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest;
+# 5: settings by flag, data_parallel, precision_asked
 
 
-def build(config, fabric, compiled, measured):
+def build(args, fabric, compiled, measured):
     """The record of a finished run, from its settings, whether torch.compile wrapped the model, and
     what the keeper measured (train_time_s to cpu_s): reading.Record's fields, in its order."""
     import torch
 
-    c, ran = config, fabric.strategy.precision.precision if fabric else "32-true"
+    c, ran = args, fabric.strategy.precision.precision if fabric else "32-true"
     record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
     record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
     record |= {"data_parallel": c.data_parallel, "settings": c.own, "precision": ran}

@@ -21,14 +21,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-# The suite checks the CPU's paths, on a GPU machine too: torch in this process and in every script
-# a test starts sees no GPU (CUDA reads this when first used). The GPU's paths are rehearsed with
-# torch.cuda's answers stood in for (tests/test_cuda_paths.py, tests/test_gpu_rehearsal.py).
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
-# And it runs as on a GPU machine whatever the host has: a GPU machine's nvidia-smi first on PATH, here and for
-# every program it starts, so that a check reading the host's GPU tools fails on any machine, this one included.
+# The suite runs on a machine stood in for whatever the host has: the nvidia-smi first on PATH, here and for every
+# program it starts, is the machine HOOK_GPU_MACHINE describes (tests/gpu_machine/machine.py), so that a check
+# reading the host's GPU tools fails on any machine, this one included. By default it has a driver and no GPU, as
+# torch here sees none; a test that stands in another gives torch.cuda the same machine's answers (stand_in).
+# Nothing hides the GPUs from the code under test: a test that must run on the CPU says so (--smoke, --accelerator
+# cpu), and one that needs torch to see no GPU where the host has one is skipped there (on_a_gpu_host).
 GPU_MACHINE = ROOT / "tests" / "gpu_machine"
 os.environ["PATH"] = f"{GPU_MACHINE}{os.pathsep}{os.environ['PATH']}"
+os.environ["HOOK_GPU_MACHINE"] = "0"
+# Whether the host has NVIDIA GPUs of its own (its driver lists each here), which torch in the scripts sees
+GPU_HOST = any(Path("/proc/driver/nvidia/gpus").glob("*"))
+on_a_gpu_host = pytest.mark.skipif(GPU_HOST, reason="torch sees this host's GPU: no machine whose torch sees none")
 from run_keeping.config import read_script
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records  # noqa: E402  (the records as the scripts wrote them)
@@ -80,7 +84,6 @@ def script_env(tmp, **extra):
     each other, as torchrun's OMP_NUM_THREADS=1 avoids), on the environment pytest started with."""
     env = dict(ENVIRON, PYTHONUNBUFFERED="1", TORCH_HOME=str(tmp / "torch-home"),
                OMP_NUM_THREADS="1", **OFFLINE)
-    env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU's paths, on a GPU machine too (the GPU's: test_gpu_rehearsal.py)
     env.update(extra)
     return env
 
@@ -102,21 +105,31 @@ def pytest_unconfigure(config):
         shutil.rmtree(Path(_warm[0].address).parent, ignore_errors=True)
 
 
-def parse_as(script, *flags):
-    """The settings `script`'s own command line makes of `flags`, in this process: its parser built as
-    the script builds it (its lines from `parser = lesson_parser(` to `parser.parse_args()`, its own
-    flags included) and parsed with sys.argv as `python SCRIPT FLAGS` sets it (put back after the test);
-    the signal handlers the parser installs are put back; a refusal is its SystemExit, as in the script."""
-    import local_utilities as lu
-    text = (ROOT / script).read_text()
+def parse_as(script, *flags, keep=False):
+    """The settings `script`'s own command line makes of `flags`, in this process, as a run makes them:
+    the script runs first as a module under a name other than __main__ (its imports, constants and
+    functions, a type function of its own included; a lesson does its work under `if __name__ ==
+    "__main__":`, which then does not run), then its lines from `parser = lesson_parser(` to
+    `parser.parse_args()` run in that namespace, parsed with sys.argv as `python SCRIPT FLAGS` sets it
+    (put back after the test); the signal handlers the parser installs are put back; a refusal is its
+    SystemExit, as in the script. The script's imports are cached in sys.modules after the first."""
+    import runpy
+
+    path = ROOT / script
+    text = path.read_text()
     start = text.rindex("\n", 0, text.index("parser = lesson_parser(")) + 1
     end = text.rindex("\n", 0, text.index("parser.parse_args()", start)) + 1
-    made: dict = {"lesson_parser": lu.lesson_parser}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    sys.argv = [str(ROOT / script), *flags]  # as the run sees it; run_in_tmp puts it back after the test
+    sys.argv = [str(path), *flags]  # as the run sees it; run_in_tmp puts it back after the test
     try:
-        exec(textwrap.dedent(text[start:end]), made)
-        return made["parser"].parse_args()
+        made = runpy.run_path(str(path), run_name="lesson_parsed_by_the_tests")
+        # the parser's lines keep their line numbers, so a traceback points into the script
+        lines = "\n" * text.count("\n", 0, start) + textwrap.dedent(text[start:end])
+        exec(compile(lines, str(path), "exec"), made)
+        settings = made["parser"].parse_args()
+        if not keep:  # as the run's end does: the test's interpreter as it was (keep: as the parse left it)
+            settings.as_found.put_back()
+        return settings
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)

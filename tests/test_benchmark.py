@@ -417,20 +417,13 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
 
 
 def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch):
-    """gpu_check.sh's plan on a GPU machine, with nvidia-smi and torch.cuda's count stood in for
-    (no GPU here): the stages in their order of value, each with the lessons lessons.csv gives it
+    """gpu_check.sh's plan on a GPU machine, stood in whole (its nvidia-smi and torch.cuda's answers;
+    no GPU here): the stages in their order of value, each with the lessons lessons.csv gives it
     (a lesson added with a gpu_check stage is in it, and its title names it); the report names the
     GPU as nvidia-smi does."""
     from benchmarks import gpu_check
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'NVIDIA H200, 570.86.15, 143771 MiB'\n")
-    smi.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the GPU the scripts see, as on a GPU machine
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    from gpu_machine.machine import stand_in
+    stand_in(monkeypatch, "1 x NVIDIA H200, driver 570.86.15", build="12.8")
     args = gpu_check.parse_args(["--out", str(tmp_path)])
     stages = gpu_check.plan(args)
     staged = {name: [s for s, row in lessons().items() if row["gpu_check"] == name] for name, *_ in gpu_check.STAGES}
@@ -545,3 +538,15 @@ def test_the_input_stage_never_starts_with_less_time_left_than_it_is_planned_at(
     check.deadline = time.monotonic() + planned + 30
     state, _ = gpu_check.run_input(check, settings)
     assert (state, measured) == ("done", [1]) and check.costs["input"]["input"]
+
+
+@pytest.mark.slow
+def test_the_flags_a_lessons_row_is_measured_with_reach_its_run(tmp_path, monkeypatch):
+    """run_script, which every table and stage runs a lesson with, adds the flags its row's measured_with names:
+    04's row given "--max-steps 2 --seed 7" here, its real --smoke run's record has them."""
+    rows = {script: dict(row) for script, row in lessons().items()}
+    rows["04_fabric-vit-mixed-precision.py"]["measured_with"] = ["--max-steps", "2", "--seed", "7"]
+    monkeypatch.setattr(runs, "lessons", lambda: rows)
+    record, _ = runs.run_script("04_fabric-vit-mixed-precision.py", ["--smoke", "--epochs", "1"], tmp_path / "runs.jsonl",
+                                env=script_env(tmp_path), timeout=240)
+    assert (record["max_steps"], record["seed"], len(record["train_loss"])) == (2, 7, 1), record

@@ -10,16 +10,16 @@ import torch
 import local_utilities as lu
 from run_keeping.reading import lessons
 from conftest import parse_as
+from gpu_machine.machine import stand_in
 from run_keeping.keeper import RunKeeper
 
 
 @pytest.fixture
 def gpus(monkeypatch):
-    """A machine with `n` CUDA GPUs, as torch.cuda reports them."""
+    """A machine with `n` H100s on a driver this torch's build runs on, as its nvidia-smi lists them and
+    torch.cuda reports them (tests/gpu_machine/machine.py)."""
     def machine(n):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+        stand_in(monkeypatch, f"{n} x NVIDIA H100 80GB HBM3, driver 580.82.07", build="13.0")
     return machine
 
 
@@ -78,7 +78,9 @@ def test_the_gpus_too_few_for_a_lesson_are_one_line(gpus, parse, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse()
     assert exit_info.value.code == 2
-    assert "asked for 4 GPU(s) per machine (--devices 4) but this machine has 2" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "asked for 4 GPU(s) per machine (--devices 4) but this machine has 2: python " in err
+    assert err.strip().endswith("05_fabric-vit-mixed-ddp.py --devices 2 runs on them.")  # the command that runs there
     assert parse("--devices", "2").devices == 2
 
 
@@ -132,7 +134,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     for _ in range(steps):
         keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 2 and cuda.count("reset_peak_memory_stats") == 1
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     keeper.let_go()  # as leaving the `with` block does, but for ending the process
 
     args.resume = True
@@ -140,7 +142,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     for _ in range(steps):
         keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 4 and cuda.count("reset_peak_memory_stats") == 2
-    keeper.checkpoint(1, model, optimizer, val_acc=0.6)
+    keeper.checkpoint(val_acc=0.6)
     keeper.finish(1.0, 0.9, model)
     keeper.let_go()
     record = json.loads((tmp_path / args.results).read_text().splitlines()[-1])

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from run_keeping.config import SMOKE_EPOCHS
-from conftest import ROOT, parse_as, run_script, script_env
+from conftest import ROOT, on_a_gpu_host, parse_as, run_script, script_env
 
 ACCUMULATING = "12_fabric-vit-grad-accumulation.py"  # its parser sets micro_batches=4
 
@@ -60,7 +60,9 @@ def test_parsing_creates_nothing(argv, tmp_path):
     assert signal.getsignal(signal.SIGINT) is handler
 
 
-def test_no_gpu_without_smoke(argv, capsys):
+def test_no_gpu_without_smoke(argv, capsys, monkeypatch):
+    from gpu_machine.machine import stand_in
+    stand_in(monkeypatch, "0")  # a machine without a GPU, whatever the host has
     with pytest.raises(SystemExit) as exit_info:
         argv()
     assert exit_info.value.code == 2
@@ -101,6 +103,7 @@ def earlier_records(tmp_path):
     return path
 
 
+@on_a_gpu_host
 @pytest.mark.slow
 @pytest.mark.parametrize("script, flags, words", [
     ("01_pytorch-vit.py", [], ["no CUDA GPU", "about a day"]),
@@ -147,7 +150,9 @@ def test_a_smoke_batch_that_16_does_not_divide_is_said(argv):
     assert "The batch is 5 per data-parallel process, 15 in all, not the talk's 16" in kind_line(args, "random init")
 
 
-def test_a_gpu_asked_for_on_a_machine_without_one(argv, capsys):
+def test_a_gpu_asked_for_on_a_machine_without_one(argv, capsys, monkeypatch):
+    from gpu_machine.machine import stand_in
+    stand_in(monkeypatch, "0")  # a machine without a GPU, whatever the host has
     with pytest.raises(SystemExit) as exit_info:
         argv("--smoke", "--accelerator", "cuda", script="04_fabric-vit-mixed-precision.py")
     assert exit_info.value.code == 2
@@ -166,6 +171,7 @@ def test_each_kind_of_run_has_its_own_folder_and_file(argv):
                                         "models/04_fabric-vit-mixed-precision-smoke-synthetic.pt")
 
 
+@on_a_gpu_host
 @pytest.mark.slow
 def test_gpu_check_without_a_gpu_points_at_its_smoke_size(tmp_path):
     import subprocess
@@ -231,37 +237,37 @@ def test_another_compile_error_is_said_as_itself():
     assert "compiler" not in message.split(";")[0] and "install" not in message
 
 
-NO_SUCH_GPU = "GPU-00000000-0000-0000-0000-000000000000"  # torch sees no GPU on any host; nvidia-smi (stood in) an H100
-
-
-@pytest.mark.parametrize("driver", ["550.54.15", "580.65.06"])
-def test_a_gpu_torch_cannot_use_is_said_with_the_build_that_fits(driver, monkeypatch):
-    """nvidia-smi lists an H100 and torch sees none: the line names the GPU, the driver, this torch's build
-    and the install that fits the driver (CUDA 12 from 525, 13 from 580), or that the build fits already;
-    GPUs hidden on purpose (CUDA_VISIBLE_DEVICES empty) are not the build's doing."""
+@pytest.mark.parametrize("driver, build, cure", [
+    ("550.54.15", "13.0", "a CUDA 13.0 build needs driver 580.65.06 or newer; install a CUDA 12.8 build, the "
+                          "newest this driver runs: pip install torch torchvision --index-url "
+                          "https://download.pytorch.org/whl/cu128"),
+    ("580.65.06", "12.6", "this build fits the driver: check that the driver works (nvidia-smi -q) and that nothing "
+                          "hides the GPU"),
+    ("580.65.06", "cpu", "a CPU build uses no GPU; install a CUDA 13.0 build, the newest this driver runs: "
+                         "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu130"),
+])
+def test_a_gpu_torch_cannot_use_is_said_with_the_build_that_fits(driver, build, cure, monkeypatch):
+    """nvidia-smi lists an H100 and torch sees none: the line names the GPU, the driver, this torch's build and the
+    install that fits the driver (by CUDA's minor-version compatibility), or that the build fits already; GPUs
+    hidden on purpose (CUDA_VISIBLE_DEVICES empty) are not the build's doing."""
     import torch
-    from run_keeping.config import unusable_gpu
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", NO_SUCH_GPU)
-    monkeypatch.setenv("HOOK_NVIDIA_DRIVER", driver)
-    line = unusable_gpu()
-    fits = "13" if driver.startswith("580") else "12"
-    build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "CPU build"
-    assert line and line.startswith(f"nvidia-smi sees NVIDIA H100 80GB HBM3 (driver {driver}), but this torch "
-                                    f"{torch.__version__} ({build}) cannot use it: ") and line.endswith("(docs/gpu-setup.md).")
-    if (torch.version.cuda or "").split(".")[0] == fits:
-        assert "this build fits the driver" in line
-    else:
-        index = {"13": "cu130", "12": "cu126"}[fits]
-        assert f"install a CUDA {fits} build: pip install torch torchvision --index-url https://download.pytorch.org/whl/{index}" in line
+    from gpu_machine.machine import stand_in
+    from run_keeping.gpu import no_gpu
+    stand_in(monkeypatch, f"1 x NVIDIA H100 80GB HBM3, driver {driver}", sees="none", build=build)
+    label = "CPU build" if build == "cpu" else f"CUDA {build} build"
+    assert no_gpu("ON A CPU") == (f"nvidia-smi sees NVIDIA H100 80GB HBM3 (driver {driver}), but this torch "
+                                  f"{torch.__version__} ({label}) cannot use it: {cure} (docs/gpu-setup.md).")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert unusable_gpu() is None
+    assert no_gpu("ON A CPU") == ("no CUDA GPU found: CUDA_VISIBLE_DEVICES='' hides the 1 GPU(s) nvidia-smi lists "
+                                  "(unset it to use them). ON A CPU")
 
 
+@on_a_gpu_host
 @pytest.mark.slow
 def test_04_on_a_gpu_torch_cannot_use_stops_in_that_one_line(tmp_path):
-    """`python 04_fabric-vit-mixed-precision.py` where nvidia-smi lists a GPU that this torch cannot use: one
-    line, exit 2, before any work."""
-    env = script_env(tmp_path, CUDA_VISIBLE_DEVICES=NO_SUCH_GPU, HOOK_NVIDIA_DRIVER="550.54.15")
+    """`python 04_fabric-vit-mixed-precision.py` where nvidia-smi lists a GPU that this torch cannot use (torch here
+    sees none): one line, exit 2, before any work."""
+    env = script_env(tmp_path, HOOK_GPU_MACHINE="1 x NVIDIA H100 80GB HBM3, driver 550.54.15")
     proc = run_script("04_fabric-vit-mixed-precision.py", cwd=tmp_path, env=env)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

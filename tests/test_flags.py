@@ -1,9 +1,11 @@
 """Every value a user can type: each flag of every script's and tool's --help, given a wrong value
-of each kind it takes (a word for a number, a fraction, a number below its least, a choice it
-does not have, a folder where a file goes, a file where a folder goes, a path under a file, a
-read-only place), ends in one line and exit 2, before any work: the scripts run in this
-process up to their first step past the command line, where a tripwire stops them if a value
-got through."""
+of each kind argparse itself refuses for it, found from the flag's own declaration (a switch given
+a value, no value, a choice it does not have, each value its type refuses: a word for a number, a
+fraction, a number below its least or outside its range), and of each kind of path or value its
+metavar names (a folder where a file goes, a file where a folder goes, a path under a file, a
+read-only place), ends in one line and exit 2, before any work: the scripts run in this process up
+to their first step past the command line, where a tripwire stops them if a value got through."""
+import argparse
 import re
 import runpy
 import subprocess
@@ -79,38 +81,88 @@ def elsewhere(places):
     return [(kind, places[kind]) for kind in ("read-only", "takes no files") if kind in places]
 
 
-def wrong_values(flag, takes, places, read=False):
-    """(why it is wrong, the value) for each kind of wrong value the flag's metavar allows."""
-    if read:
-        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + \
-            ([("missing", places["folder"] + "/none.jsonl")] if flag != "--results" else [])
-    if takes is None:
+# Values tried on each flag's type: it is given each that its type refuses, one per kind of refusal
+PROBES = [("a word", "abc"), ("a fraction", "1.5"), ("below zero", "-1"), ("zero", "0"), ("one", "1"),
+          ("very large", "1000000000000"), ("not a number", "nan"), ("infinite", "inf"), ("empty", "")]
+NO_VALUE = object()  # the flag given last, without the value it takes
+
+
+def refused_by_type(action):
+    """(why, value) for each kind of value the action's type refuses, as argparse would call it: one value
+    per distinct refusal (the type's message with the value left out)."""
+    if action.type is None or isinstance(action.type, argparse.FileType):
+        return []
+    found = {}
+    for why, value in PROBES:
+        try:
+            action.type(value)
+        except Exception as error:  # argparse's refusal (or a traceback the test then shows)
+            said = re.sub(r"'[^']*'|-?\d[\d.,e+]*|nan|inf", "", str(error))
+            found.setdefault((type(error), said), (f"{why}, refused by its type", value))
+    return list(found.values())
+
+
+def not_a_choice(action):
+    """A value the action's type takes that is none of its choices."""
+    numbers = [c for c in action.choices if isinstance(c, (int, float)) and not isinstance(c, bool)]
+    for value in ("bogus", *([str(max(numbers) + 1)] if numbers else [])):
+        try:
+            converted = action.type(value) if action.type else value
+        except Exception:
+            continue
+        if converted not in action.choices:
+            return [("no such choice", value)]
+    return []
+
+
+def wrong_values(action, places, read=False):
+    """(why it is wrong, the value) for each kind of wrong value the flag takes: from its declaration
+    (a switch, its nargs, choices and type), and the kinds of path or value its metavar names."""
+    if action.nargs == 0:
         return [("a switch given a value", None)]
-    if takes.startswith("{"):
-        return [("no such choice", "bogus")]
-    if takes in ("N", "N [N ...]"):
-        return [("a word", "abc"), ("a fraction", "1.5"), ("below its least", "-1")]
+    wrong = [("no value", NO_VALUE)] if action.nargs not in ("?", "*") else []
+    if action.choices is not None:
+        wrong += not_a_choice(action)
+    wrong += refused_by_type(action)
+    takes = action.metavar if isinstance(action.metavar, str) else ""
+    if read:
+        return wrong + [("a folder", places["folder"]), ("under a file", places["under a file"])] + \
+            ([("missing", places["folder"] + "/none.jsonl")] if action.dest != "results" else [])
     if takes == "DIR":
-        return [("a file", places["file"]), ("under a file", places["under a file"])] + elsewhere(places)
-    if takes in ("FILE", "PATH", "PNG"):
-        return [("a folder", places["folder"]), ("under a file", places["under a file"])] + elsewhere(places)
-    if takes.startswith("IMAGE"):
-        return [("missing", places["folder"] + "/none.png"), ("not an image", places["file"])]
-    if takes.startswith("NN"):
-        return [("no such script", "99"), ("a word for a batch", "01@x")]
-    if takes.startswith("MODEL"):
-        return [("no such model", "ViT-Z/1")]
-    if takes.startswith("PRECISION"):
-        return [("no precision", "bogus=5"), ("a word for a number", "bf16-mixed=abc")]
-    pytest.fail(f"{flag} takes {takes}: the test knows no wrong value of that kind")
+        wrong += [("a file", places["file"]), ("under a file", places["under a file"])] + elsewhere(places)
+    elif takes in ("FILE", "PATH", "PNG"):
+        wrong += [("a folder", places["folder"]), ("under a file", places["under a file"])] + elsewhere(places)
+    elif takes.startswith("IMAGE"):
+        wrong += [("missing", places["folder"] + "/none.png"), ("not an image", places["file"])]
+    elif takes.startswith("NN"):
+        wrong += [("no such script", "99"), ("a word for a batch", "01@x")]
+    elif takes.startswith("PRECISION"):
+        wrong += [("no precision", "bogus=5"), ("a word for a number", "bf16-mixed=abc")]
+    return wrong
 
 
 def help_of(program, capsys, monkeypatch):
+    """Its --help, and the parser that printed it (the last that parsed: a program may parse twice)."""
+    parsers = []
+    parse = argparse.ArgumentParser.parse_known_args
+
+    def parse_and_keep(parser, *args, **kwargs):
+        parsers.append(parser)
+        return parse(parser, *args, **kwargs)
     monkeypatch.setattr(sys, "argv", [program, "--help"])
-    with pytest.raises(SystemExit) as exit_info:
-        run(program, ["--help"])
-    assert exit_info.value.code == 0
-    return capsys.readouterr().out
+    with monkeypatch.context() as patched:
+        patched.setattr(argparse.ArgumentParser, "parse_known_args", parse_and_keep)
+        with pytest.raises(SystemExit) as exit_info:
+            run(program, ["--help"])
+    assert exit_info.value.code == 0 and parsers, program
+    return capsys.readouterr().out, parsers[-1]
+
+
+def flags_declared(parser):
+    """{flag: its action} for each flag --help shows, by its first long name."""
+    return {next(s for s in action.option_strings if s.startswith("--")): action for action in parser._actions
+            if action.option_strings and not isinstance(action, argparse._HelpAction)
+            and action.help != argparse.SUPPRESS}
 
 
 def run(program, argv):
@@ -131,15 +183,16 @@ def base_flags(program, flag):
 def test_every_wrong_value_of_every_flag_is_one_line(program, tripwires, places, capsys, monkeypatch):
     monkeypatch.chdir(places["folder"])
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    flags = flags_of(help_of(program, capsys, monkeypatch))
-    assert flags, program
-    tried = 0
-    for flag, takes in flags.items():  # a lesson's own flags too: their wrong values from how --help shows them
-        for why, value in wrong_values(flag, takes, places, read=(program, flag) in READ):
+    shown, parser = help_of(program, capsys, monkeypatch)
+    flags = flags_declared(parser)
+    assert flags and set(flags_of(shown)) <= set(flags), (program, set(flags_of(shown)) - set(flags))
+    tried = set()
+    for flag, action in flags.items():  # a lesson's own flags too: their wrong values from their declaration
+        for why, value in wrong_values(action, places, read=(program, flag) in READ):
             argv = [*base_flags(program, flag), f"{flag}=yes" if value is None else flag,
-                    *([] if value is None else [value])]
+                    *([] if value is None or value is NO_VALUE else [value])]
             if flag == "--predict":
-                argv = ["--predict", value]
+                argv = ["--predict", *([] if value is NO_VALUE else [value])]
             try:
                 with pytest.raises(SystemExit) as exit_info:
                     run(program, argv)
@@ -150,8 +203,10 @@ def test_every_wrong_value_of_every_flag_is_one_line(program, tripwires, places,
             assert exit_info.value.code == 2, (program, argv, why, err)
             assert len(lines) == 1 and "Traceback" not in err, (program, argv, why, err)
             assert lines[0].startswith(f"{program}: error: "), (program, argv, lines)
-            tried += 1
-    assert tried >= len(flags)
+            tried.add(flag)
+    # a flag that takes any text, or none (nargs "?" or "*", no type, no choices), has no value argparse refuses
+    takes_anything = {flag for flag, action in flags.items() if not wrong_values(action, places)}
+    assert tried | takes_anything == set(flags), set(flags) - tried - takes_anything
 
 
 def test_a_read_only_place_is_named_so_before_any_work(tmp_path, places, capsys, monkeypatch):

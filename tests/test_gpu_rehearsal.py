@@ -13,6 +13,7 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SAID, SCRIPTS
+from gpu_machine.machine import MODELS, stand_in
 from run_keeping.config import FALLBACKS
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records
@@ -34,13 +35,11 @@ def strategies_the_scripts_produce():
 
 @pytest.fixture
 def gpu(monkeypatch):
-    """A machine with `count` GPUs called `name`, as torch.cuda answers; nothing else replaced."""
+    """A machine with `count` GPUs called `name` of GPUS's memory, as its nvidia-smi lists them and torch.cuda
+    answers (tests/gpu_machine/machine.py); nothing else replaced."""
     def machine(name, count=2):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda *a: type("Properties", (), {"total_memory": int(GPUS[name]), "name": name})())
+        memory = f"memory {int(GPUS[name]) // 2**20}, compute_cap {MODELS.get(name, (0, '9.0'))[1]}"
+        stand_in(monkeypatch, f"{count} x {name}, driver 580.82.07, {memory}", build="13.0")
     return machine
 
 

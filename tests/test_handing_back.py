@@ -9,26 +9,58 @@ import time
 
 import pytest
 
-from conftest import ROOT, kill_group, run_script, script_env
+from conftest import ROOT, kill_group, native_bf16, run_script, script_env
 
 LESSON = "04_fabric-vit-mixed-precision.py"
 SHORT = ["--smoke", "--max-steps", "2", "--epochs", "1"]
 
 
+# In one IPython session: a refused %run, 05 (whose processes Lightning cannot start at a prompt), 04 on a CPU
+# without bfloat16 units (oneDNN capped: it falls back), then 03 uncapped; the interpreter's state is compared
+# after each with what it was after the first finished run (the libraries' imports change it once).
+CELL = """
+import os, signal, warnings, json, torch
+def state():
+    return (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), dict(os.environ), list(warnings.filters),
+            torch.get_num_threads())
+%run {lesson} --smoke --resume
+os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+%run {lesson} {short}
+del os.environ["ONEDNN_MAX_CPU_ISA"]
+found = state()
+%run {lesson} --smoke --epochs 0
+print("AFTER A REFUSAL", state() == found)
+%run {ddp} --smoke
+print("AFTER 05", state() == found)
+%run {fabric} {short}
+print("AFTER 03", state() == found, "LT_PRECISION" in os.environ)
+print("PRECISIONS", [json.loads(line)["precision"] for line in open("results/runs.jsonl")])
+"""
+
+
 @pytest.mark.slow
 def test_ipython_and_python_i_get_control_back(tmp_path):
-    """In IPython, a %run refused in one line (exit 2) and a %run that trains to its end each hand back,
-    and the session's next line runs; `python -i` reaches its prompt after a run."""
-    cell = (f"%run {ROOT / LESSON} --smoke --resume\n%run {ROOT / LESSON} {' '.join(SHORT)}\n"
-            "print('the next line ran')\n")
-    ipython = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "--colors=NoColor", "-c", cell], cwd=tmp_path,
-                             env=script_env(tmp_path), capture_output=True, text=True, timeout=300)
+    """In IPython, a %run refused in one line (exit 2), 05 refused in one line that names the shell command, and
+    %runs that train to their end each hand back the interpreter as they found it (handlers, environment,
+    warnings, threads): a fallback's precision does not outlive its run. `python -i` reaches its prompt after a
+    run, and after a refused run Ctrl-C at the prompt is Python's KeyboardInterrupt again."""
+    cell = CELL.format(lesson=ROOT / LESSON, short=" ".join(SHORT), ddp=ROOT / "05_fabric-vit-mixed-ddp.py",
+                       fabric=ROOT / "03_fabric-vit.py")
+    ipython = subprocess.run([sys.executable, "-m", "IPython", "--no-banner", "--quick", "--colors=NoColor", "-c", cell],
+                             cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=300)
     out = ipython.stdout + ipython.stderr
     assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
-    assert "Run record appended to results/runs.jsonl" in out and ipython.stdout.rstrip().endswith("the next line ran"), out[-3000:]
+    assert "AFTER A REFUSAL True" in out and "AFTER 05 True" in out and "AFTER 03 True False" in out, out[-3000:]
+    assert (f"05_fabric-vit-mixed-ddp.py: error: this lesson's processes are started by Lightning's launcher, which "
+            f"cannot run at a prompt: run it from a shell: python {ROOT / '05_fabric-vit-mixed-ddp.py'} --smoke") in out
+    assert f"PRECISIONS ['32-true', '{'bf16-mixed' if native_bf16() else '32-true'}']" in out, out[-3000:]
     interactive = subprocess.run([sys.executable, "-i", str(ROOT / LESSON), *SHORT], cwd=tmp_path, env=script_env(tmp_path),
                                  input="print('the prompt was reached')\n", capture_output=True, text=True, timeout=300)
     assert "the prompt was reached" in interactive.stdout and "Run record appended" in interactive.stdout, interactive.stderr
+    ask = "import signal; print('PYTHON HANDLER', signal.getsignal(signal.SIGINT) is signal.default_int_handler)\n"
+    refused = subprocess.run([sys.executable, "-i", str(ROOT / LESSON), "--smoke", "--epochs", "0"], cwd=tmp_path,
+                             env=script_env(tmp_path), input=ask, capture_output=True, text=True, timeout=300)
+    assert "PYTHON HANDLER True" in refused.stdout, refused.stdout + refused.stderr
 
 
 # At the interpreter's exit, after the keeper's own exit handler (registered later, so run earlier), this one

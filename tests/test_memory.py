@@ -58,6 +58,7 @@ def test_the_talks_arithmetic_adds_what_each_strategy_holds():
     ddp = memory.arithmetic(record("05", vit, world_size=4))
     fsdp = memory.arithmetic(record("06", vit, world_size=4))
     assert one["weights"] + one["gradients"] + one["optimizer"] == 16 * p
+    assert memory.state_terms("32-true", "AdamW", "single-device", p, p) == memory.state_terms("32-true", "Adam", "single-device", p, p)
     assert mixed["autocast's bf16 weights"] == 2 * p and ddp["DDP's buckets"] == 4 * p
     assert 0.5 < mixed["activations"] / one["activations"] < 0.6  # bf16, but LayerNorm inputs
     assert fsdp["weights"] + fsdp["gradients"] + fsdp["optimizer"] == pytest.approx(16 * p / 4)

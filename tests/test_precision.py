@@ -124,7 +124,7 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
     from run_keeping.config import fallback_line
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.delenv("LT_PRECISION", raising=False)  # and put back as it was afterwards
-    settings = parse_as(script, "--smoke")
+    settings = parse_as(script, "--smoke", keep=True)  # as the lesson's Fabric(...) line finds it
     asked = settings.precision_asked
     assert (settings.precision, os.environ["LT_PRECISION"]) == ("32-true", "32-true") and asked.startswith("bf16")
     fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
@@ -136,6 +136,8 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
     with fabric.autocast():
         assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
     assert f"running 32-true instead of {asked}" in fallback_line(settings)
+    settings.as_found.put_back()
+    assert "LT_PRECISION" not in os.environ  # the run's end takes the fallback away again
 
 
 def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):

@@ -370,7 +370,7 @@ def keeper_after_steps(args, losses, model=None, optimizer=None):
 def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
     keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 1.5, bad, 1.0])
     with pytest.raises(SystemExit) as exit_info:
-        keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+        keeper.checkpoint(val_acc=0.5)
     assert exit_info.value.code == 1
     assert f"the loss is {bad} at epoch 1, batch 2" in capsys.readouterr().err
     ended(keeper)
@@ -380,7 +380,7 @@ def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
 def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
     keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 4.0, 3.0, 7.0])
     time.sleep(0.5)  # the validation, which images_per_s leaves out
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     assert keeper.timed_seconds < 0.25
     assert keeper.train_loss == [4.0] and keeper.val_acc == [0.5]
     # images_per_s counts neither the run's first 3 steps nor validation: 1 timed step of 4
@@ -427,7 +427,7 @@ def test_fresh_run_refuses_to_overwrite_an_unfinished_one(parse, tmp_path, capsy
 def write_checkpoint(args, **meta):
     """A real checkpoint of the smoke model, written by RunKeeper's own save."""
     keeper, model, optimizer = keeper_after_steps(args, [1.0])
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     latest = os.path.join(args.checkpoint_dir, LATEST)
     if meta:
@@ -458,6 +458,8 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and difference in err, err
     assert f"; continue it as started: python 01_pytorch-vit.py --smoke --checkpoint-dir {ck} --resume;" in err
+    elsewhere = " ".join(["python 01_pytorch-vit.py --smoke", *flags, "--checkpoint-dir", f"{ck}-2"])
+    assert err.endswith(f"; or start this one in a folder of its own: {elsewhere}") and "rm -rf" not in err, err
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
@@ -560,7 +562,7 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     model(torch.rand(2, 3, 32, 32)).sum().backward()
     optimizer.step()
     keeper, _, _ = keeper_after_steps(args, [2.0, 4.0], model, optimizer)
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
@@ -586,7 +588,7 @@ def test_a_scheduler_handed_over_is_kept_and_restored(parse, tmp_path):
     keeper.keep_in_checkpoints(scheduler)
     keeper.resume(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
@@ -611,7 +613,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     keeper = RunKeeper(args, fabric)
     keeper.resume(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     args = parse("--resume", "--checkpoint-dir", str(tmp_path / "ck"))
     fresh = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
@@ -628,7 +630,7 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     removes the half-written file."""
     args = parse("--checkpoint-dir", "ck")
     keeper, model, optimizer = keeper_after_steps(args, [1.0])
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     real = os.write
 
     def killed_halfway(fd, data):
@@ -637,7 +639,7 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     monkeypatch.setattr(os, "write", killed_halfway)
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
     with pytest.raises(KeyboardInterrupt):
-        keeper.checkpoint(1, model, optimizer, val_acc=0.6)
+        keeper.checkpoint(val_acc=0.6)
     monkeypatch.setattr(os, "write", real)
     ended(keeper)
     assert json.loads((keeper.folder / LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
@@ -715,9 +717,46 @@ def test_a_resumed_runs_peak_is_the_peak_of_all_its_sessions(parse):
     args = parse()
     keeper, model, optimizer = keeper_after_steps(args, [1.0])
     keeper.peak_gb = 123.0  # a first session's peak, above any this process reaches
-    keeper.checkpoint(0, model, optimizer, val_acc=0.5)
+    keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     resumed = RunKeeper(parse("--resume"))
     resumed.resume(model, optimizer, train_loader=[None])
     assert resumed.peak_gb == 123.0 and resumed.start_epoch == 1
     ended(resumed)
+
+
+# Session 1 holds 1.5 GB for a moment of its first batch, then is interrupted once its first checkpoint is named.
+HOG_THEN_STOP = """
+import os, signal, sys
+import torch.nn.functional as F
+_calls, _cross_entropy = [], F.cross_entropy
+def cross_entropy(*args, **kwargs):
+    _calls.append(1)
+    if len(_calls) == 1:
+        hog = bytearray(1536 * 2**20)
+        hog[::4096] = b"x" * len(hog[::4096])  # every page touched: resident
+        del hog
+    return _cross_entropy(*args, **kwargs)
+F.cross_entropy = cross_entropy
+def _at(event, args):
+    if event == "os.rename" and str(args[1]).endswith("epoch-0001.ckpt"):
+        os.kill(os.getpid(), signal.SIGINT)
+sys.addaudithook(_at)
+"""
+
+
+@pytest.mark.slow
+def test_the_records_peak_is_the_highest_of_every_session(tmp_path):
+    """A run whose first session peaked 1.5 GB above the rest, interrupted after its first epoch and resumed:
+    the record's peak memory is that session's, not the last one's (a smoke run's is about 1 GB)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOG_THEN_STOP)
+    flags = ["--smoke", "--epochs", "2", "--max-steps", "2"]
+    first = run_script("04_fabric-vit-mixed-precision.py", *flags, cwd=tmp_path,
+                       env=script_env(tmp_path, PYTHONPATH=str(site)), fresh=True)
+    assert first.returncode == 130 and "holds 1 of 2 epochs" in first.stderr, first.stderr[-2000:]
+    second = run_script("04_fabric-vit-mixed-precision.py", *flags, "--resume", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    record = read_records(tmp_path / "results" / "runs.jsonl")[-1]
+    assert record["peak_memory_gb"] > 1.5 * 2**30 / 1e9, record["peak_memory_gb"]

@@ -2,12 +2,14 @@
 while the finished run writes its model and record is noted and said after them; the process is
 never killed by the signal itself. And the folder lock holds exactly its holder's line."""
 import json
+import os
 import signal
 import sys
+import time
 
 import pytest
 
-from conftest import ROOT, run_script, script_env
+from conftest import ROOT, kill_group, run_script, script_env, start_script, wait_for
 
 # Sends the signal at one moment of the run's last writes, as a terminal's Ctrl-C does (to the
 # process group, so every process of the run gets it), and gives the handler time to run there.
@@ -114,3 +116,114 @@ def test_the_interruption_line_is_true_at_any_moment_of_a_checkpoint(tmp_path, m
     held = f"{latest['checkpoint']}, holds {latest['epochs_done']} of 3 epochs"
     assert held in last and (latest["epochs_done"] == 2) == (moment != "writing"), (moment, last, latest)
     assert ("epoch 2, whose checkpoint was being written, is not kept" in last) == (moment == "writing"), last
+
+
+# 05's two processes as Lightning starts them: process 0 notes when it comes to the meeting at the end (a file);
+# process 1 comes late (it waits for the test's file "sent"), or is lost there (it ends without meeting), or fails
+# with a Python error mid-training. And every process notes whether the interpreter's teardown ran (the object's
+# __del__, at the module teardown that os._exit skips).
+AT_THE_END = """
+import os, sys, time
+class _Teardown:
+    def __del__(self):
+        open(f"teardown-{os.getpid()}", "w").close()
+_teardown = _Teardown()
+_late = os.environ.get("HOOK_LATE")
+if _late:
+    import torch.distributed as dist
+    _barrier = dist.barrier
+    def barrier(*args, **kwargs):
+        if not kwargs.get("async_op"):  # Lightning's own, before each reduction: not the end's
+            pass
+        elif os.environ.get("LOCAL_RANK", "0") == "0":
+            open("meeting", "w").close()
+        elif _late == "lost":
+            os._exit(0)
+        else:
+            deadline = time.monotonic() + 60
+            while not os.path.exists("sent") and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return _barrier(*args, **kwargs)
+    dist.barrier = barrier
+if os.environ.get("HOOK_FAIL") == os.environ.get("LOCAL_RANK", "0"):
+    import torch.nn.functional as F
+    _calls, _cross_entropy = [], F.cross_entropy
+    def cross_entropy(*args, **kwargs):
+        _calls.append(1)
+        if len(_calls) == 2:
+            raise ValueError("a bug in one process")
+        return _cross_entropy(*args, **kwargs)
+    F.cross_entropy = cross_entropy
+"""
+FLAGS = ["--smoke", "--epochs", "1", "--max-steps", "3"]
+
+
+def started_with(tmp_path, script, **hooks):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(AT_THE_END)
+    env = script_env(tmp_path, PYTHONPATH=str(site), **hooks)
+    env.pop("OMP_NUM_THREADS")  # torch's default, as a user's run has it
+    return start_script(script, *FLAGS, cwd=tmp_path, env=env, fresh=True, merged=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_while_the_processes_meet_at_the_end_ends_them(tmp_path, signum, code):
+    """Ctrl-C (to every process, as a terminal sends it) or SIGTERM while process 0 waits at the end for a late
+    process 1: both end within seconds, with the documented code and process 0's one line; the run's files stay."""
+    proc = started_with(tmp_path, "05_fabric-vit-mixed-ddp.py", HOOK_LATE="late")
+    try:
+        assert wait_for(tmp_path / "meeting", proc), proc.communicate()
+        time.sleep(0.5)
+        os.killpg(proc.pid, signum)
+        (tmp_path / "sent").touch()
+        began = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+    finally:
+        kill_group(proc)
+    assert proc.returncode == code and time.monotonic() - began < 15, (proc.returncode, err[-3000:])
+    ours = [line for line in err.splitlines() if "05_fabric-vit-mixed-ddp.py: " in line]
+    name = signal.Signals(signum).name
+    assert ours == [f"05_fabric-vit-mixed-ddp.py: interrupted ({name}) after the run finished: its record is in "
+                    "results/runs.jsonl and its model in models/05_fabric-vit-mixed-ddp-smoke-epochs1-max-steps3.pt."], err
+    assert "Traceback" not in err and (tmp_path / "results" / "runs.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_a_process_lost_at_the_end_is_said_and_a_python_error_is_not_a_lost_machine(tmp_path):
+    """Process 1 gone after it finished: process 0 says so in one line, exit 3. Process 1 failing with a Python error
+    mid-training: its traceback, and process 0 names it as failed (not lost), exit 1."""
+    for name in ("lost", "failed"):
+        (tmp_path / name).mkdir()
+    lost = started_with(tmp_path / "lost", "05_fabric-vit-mixed-ddp.py", HOOK_LATE="lost")
+    failed = started_with(tmp_path / "failed", "05_fabric-vit-mixed-ddp.py", HOOK_FAIL="1")
+    try:
+        (_, lost_err), (_, failed_err) = lost.communicate(timeout=180), failed.communicate(timeout=180)
+    finally:
+        kill_group(lost)
+        kill_group(failed)
+    said = [line for line in lost_err.splitlines() if ": error:" in line]
+    assert lost.returncode == 3 and len(said) == 1 and "a process of the run was lost at its end" in said[0], lost_err
+    said = [line for line in failed_err.splitlines() if ": error:" in line]
+    assert failed.returncode == 1 and "ValueError: a bug in one process" in failed_err, failed_err[-3000:]
+    assert said == ["05_fabric-vit-mixed-ddp.py: error: process 1 of 2 failed with an error (its traceback says "
+                    "which). Process 0 stops too."], failed_err[-3000:]
+    assert not list((tmp_path / "failed").glob("checkpoints/*/.failed-process-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["05_fabric-vit-mixed-ddp.py", "06_fabric-vit-mixed-fsdp.py"])
+def test_the_end_of_a_run_of_processes_many_times(tmp_path, script):
+    """05's and 06's two processes to their end, twice each at torch's default threads: each ends 0 with no
+    abort, and no process meets the interpreter's teardown (where gloo's threads aborted it): os._exit ends them."""
+    for attempt in range(2):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        proc = started_with(folder, script)
+        try:
+            out, err = proc.communicate(timeout=180)
+        finally:
+            kill_group(proc)
+        assert proc.returncode == 0 and "terminate called" not in err, (attempt, proc.returncode, err[-3000:])
+        assert "Run record appended" in out and not list(folder.glob("teardown-*")), (attempt, out[-2000:])

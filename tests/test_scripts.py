@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from conftest import native_bf16, read_records, ROOT, run_script, SAID, SCRIPTS, script_env
+from conftest import native_bf16, parse_as, read_records, ROOT, run_script, SAID, SCRIPTS, script_env
 from run_keeping.config import SMOKE_EPOCHS, precision_that_runs
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs
@@ -209,15 +209,41 @@ def test_the_cosine_schedule_counts_optimizer_steps(smoke_runs):
     assert record["lr"][-1] <= 0.0051
 
 
+def optimizer_references(source):
+    """(optimizer, line number) for each torch.optim optimizer the code names, called or not (not in its
+    comments): `torch.optim.Adam(...)`, each of the choices a flag picks from (a dict of them, a
+    conditional), or a name imported from torch.optim."""
+    import torch
+    tree = ast.parse(source)
+    imported = {alias.asname or alias.name: alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module == "torch.optim" for alias in node.names}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("torch.optim", "optim"):
+            found.append((node.attr, node.lineno))
+        elif isinstance(node, ast.Name) and node.id in imported:
+            found.append((imported[node.id], node.lineno))
+    def an_optimizer(name):
+        kind = getattr(torch.optim, name, None)
+        return isinstance(kind, type) and issubclass(kind, torch.optim.Optimizer)
+    return sorted((name, line) for name, line in found if an_optimizer(name))
+
+
 def test_lessons_csv_names_each_lessons_optimizer_and_checkpointing():
     """What the memory arithmetic and the bare loop take from lessons.csv is what each script does:
-    the optimizer it makes, whether it checkpoints activations, and (15) whether it offloads."""
+    the optimizer it makes (where a flag chooses, one of its choices: the one its measured_with
+    flags choose, docs/adding-a-lesson.md), whether it checkpoints activations, and (15) whether it
+    offloads."""
     from run_keeping.reading import lessons
     for script, row in lessons().items():
         if not row["against"] and not script.startswith("00"):
             continue  # 08 trains nothing; 09, a recipe of its own: test_fast_recipe.py
         source = (ROOT / script).read_text()
-        assert f"torch.optim.{row['optimizer']}(" in source, script
+        named = {name for name, _ in optimizer_references(source)}
+        assert row["optimizer"] in named, (
+            f"{script}: lessons.csv's optimizer column says {row['optimizer']}, and the script names "
+            f"{', '.join(sorted(named)) or 'no torch.optim optimizer'}: write torch.optim.{row['optimizer']} out in it "
+            "(a flag may choose among several written out), or name in the row the one its measured_with flags choose")
         assert bool(row["activation_checkpointing"]) == ("apply_activation_checkpointing(" in source), script
         assert ("offload" in row["strategy"]) == ("offloaded" in source), script
 
@@ -392,13 +418,16 @@ def test_the_talks_weights_epochs_batch_and_learning_rate(script):
     assert parse_kwargs["epochs"] == row["epochs"]
     assert vit_kwargs["weights"] == (None if "random init" in row["technique"] else "IMAGENET1K_V1")
     assert parse_kwargs.get("devices", 1) == lessons()[script]["devices"]
-    micro = calls(script, "set_defaults")
-    assert (micro[0][0]["micro_batches"] if micro else 1) == (4 if script in ACCUMULATING else 1)
-    # the optimizer its row names, made once, and no other; its line (with its learning rate) is the
-    # talk's, kept from the script it is the diff against, or one this lesson changed and tagged
-    assert len(calls(script, row["optimizer"])) == 1, (script, row["optimizer"])
-    assert not [name for name in OPTIMIZERS - {row["optimizer"]} if calls(script, name)], script
+    assert parse_as(script, "--smoke").micro_batches == (4 if script in ACCUMULATING else 1)
+    # the optimizer its row names, made once, and no other but the choices of a flag on that same line; its
+    # line (with its learning rate) is the talk's, kept from the script it is the diff against, or one this
+    # lesson changed and tagged
+    named = optimizer_references((ROOT / script).read_text())
+    assert [name for name, _ in named].count(row["optimizer"]) == 1, (script, row["optimizer"], named)
     line = optimizer_line(script, row["optimizer"])
+    assert {number for _, number in named} == {number for name, number in named if name == row["optimizer"]}, (
+        f"{script}: a lesson makes one optimizer, on one line: where a flag chooses it, each choice is written "
+        f"out on that line (a dict of choices or a conditional expression); it names {named}")
     if row["against"]:
         against = next(s for s in lessons() if s.startswith(row["against"]))
         kept = line == optimizer_line(against, lessons()[against]["optimizer"])
@@ -407,23 +436,22 @@ def test_the_talks_weights_epochs_batch_and_learning_rate(script):
         assert line.startswith("optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)"), line  # the talk's
 
 
-OPTIMIZERS = {"Adam", "AdamW", "SGD"}
-
-
 def optimizer_line(script, optimizer):
-    return next(line.strip() for line in (ROOT / script).read_text().splitlines()
-                if f"torch.optim.{optimizer}(" in line)
+    """The line that makes the optimizer (where a flag chooses, the line that writes each choice out)."""
+    number = next(number for name, number in optimizer_references((ROOT / script).read_text()) if name == optimizer)
+    return (ROOT / script).read_text().splitlines()[number - 1].strip()
 
 
 @pytest.mark.parametrize("script", ACCUMULATING)
 def test_accumulation_steps_after_the_4th_micro_batch_of_4(script):
     """4 micro-batches make the batch: zeroed before the 1st, stepped after the 4th (the sequel
     stepped after batch 0), each loss a quarter, gradients synced only at the step."""
-    source = (ROOT / script).read_text()
-    assert "if batch_idx % 4 == 0: optimizer.zero_grad()" in source
-    assert "with fabric.no_backward_sync(model, enabled=batch_idx % 4 != 3): fabric.backward(loss / 4)" in source
-    assert "if batch_idx % 4 == 3: optimizer.step()" in source
-    assert "optimizer.step()" not in source.replace("if batch_idx % 4 == 3: optimizer.step()", "")
+    source, step = (ROOT / script).read_text(), "if batch_idx % MICRO_BATCHES == MICRO_BATCHES - 1: optimizer.step()"
+    assert "\nMICRO_BATCHES = 4  # [12] new" in source and "parser.set_defaults(micro_batches=MICRO_BATCHES)" in source
+    assert "if batch_idx % MICRO_BATCHES == 0: optimizer.zero_grad()" in source
+    assert ("with fabric.no_backward_sync(model, enabled=batch_idx % MICRO_BATCHES != MICRO_BATCHES - 1): "
+            "fabric.backward(loss / MICRO_BATCHES)") in source
+    assert step in source and "optimizer.step()" not in source.replace(step, "")
 
 
 @pytest.mark.parametrize("script", FABRIC_SCRIPTS)

@@ -88,3 +88,16 @@ def test_two_tensor_parallel_pairs_split_the_batch_between_them(tmp_path):
     split = 2 * (total - held_tp2)  # the MLP parameters that tensor parallelism splits
     assert held[0] == held[1] and held[2] == held[3] and max(held) < held_tp2
     assert sum(held) == 2 * (total - split) + split  # the rest held twice (once per pair)
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_processes_is_one_line(capsys):
+    """10 --smoke runs 2 processes: --tensor-parallel 3 does not divide them, and 0 makes no group; each is refused
+    in one line naming the flag (exit 2), before any work; 2 and 1 are taken."""
+    from conftest import parse_as
+    for size in ("3", "0"):
+        with pytest.raises(SystemExit) as stopped:
+            parse_as(TP, "--smoke", "--tensor-parallel", size)
+        err = capsys.readouterr().err.strip()
+        assert stopped.value.code == 2 and err.count("\n") == 0, err
+        assert f"--tensor-parallel {size} does not divide the 2 processes" in err, err
+    assert [parse_as(TP, "--smoke", "--tensor-parallel", size).data_parallel for size in ("2", "1")] == [1, 2]

@@ -1,0 +1,202 @@
+"""A GPU machine stood in for, whole, from one description, so that what nvidia-smi lists and what torch sees agree:
+the nvidia-smi beside this file answers as the machine's would (answer), and stand_in gives a test's torch.cuda the
+same machine's answers, CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER honoured as CUDA honours them.
+
+The description is HOOK_GPU_MACHINE's value: "0", a machine with a driver and no GPU (the suite's default, so that
+torch seeing no GPU on a CPU host is the machine's truth), "no driver" (nvidia-smi fails as it does where no driver
+is loaded), or GPUs, "COUNT x MODEL[, driver VERSION][, compute_cap X.Y][, memory MIB]", several such joined by " + "
+for a machine of mixed GPUs, in nvidia-smi's (PCI) order. For example "4 x NVIDIA H100 80GB HBM3, driver 550.54.15";
+"1" is one H100 on driver 570.124.06. Only the standard library: nvidia-smi runs this file with any python3."""
+
+import os
+import re
+import sys
+import types
+import uuid
+
+SETTING = "HOOK_GPU_MACHINE"  # HOOK_*: a forked warm start may differ in it (tests/warm_start.py)
+DEFAULT = "0"
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.")
+NO_DEVICES = "No devices were found"
+# Each model's memory (MiB) and compute capability, as nvidia-smi gives them
+MODELS = {"NVIDIA H100 80GB HBM3": (81559, "9.0"), "NVIDIA H200": (143771, "9.0"),
+          "NVIDIA A100-SXM4-80GB": (81920, "8.0"), "NVIDIA B200": (183359, "10.0"),
+          "NVIDIA GeForce RTX 5090": (32607, "12.0"), "Tesla V100-SXM2-16GB": (16384, "7.0")}
+DRIVER = "570.124.06"
+# The newest CUDA each driver branch supports (nvidia-smi's "CUDA Version"), from its first release of the branch
+DRIVER_CUDA = {450: "11.0", 460: "11.2", 470: "11.4", 510: "11.6", 515: "11.7", 520: "11.8", 525: "12.0", 530: "12.1",
+               535: "12.2", 545: "12.3", 550: "12.4", 555: "12.5", 560: "12.6", 565: "12.7", 570: "12.8", 575: "12.9",
+               580: "13.0"}
+COMPUTE_CAP_FROM = 510  # nvidia-smi knows the compute_cap field from this driver branch on
+# The oldest Linux driver a build of each CUDA major runs on (NVIDIA's minor-version compatibility: CUDA Toolkit
+# release notes, table 3), the machine's own fact, apart from run_keeping/gpu.py's, which the tests hold to it; a
+# Blackwell GPU runs from the R570 branch on
+FLOORS = {"11": (450, 80, 2), "12": (525, 60, 13), "13": (580, 65, 6)}
+BLACKWELL_DRIVER = (570,)
+
+
+def version(text):
+    return tuple(int(part) for part in re.findall(r"\d+", text or ""))
+
+
+def machine(description=None):
+    """{"driver": VERSION or None where none is loaded, "gpus": [each GPU, in PCI order]} of a description."""
+    text = (os.environ.get(SETTING, DEFAULT) if description is None else description).strip()
+    if text.lower() == "no driver":
+        return {"driver": None, "gpus": []}
+    gpus, driver = [], DRIVER
+    for part in filter(None, (p.strip() for p in text.split("+"))):
+        head, *settings = [s.strip() for s in part.split(",")]
+        count, _, model = head.partition("x")
+        model = model.strip() or "NVIDIA H100 80GB HBM3"
+        said = dict(s.split(" ", 1) for s in settings)
+        driver = said.get("driver", driver)
+        memory, cap = MODELS.get(model, (81920, None))
+        cap = said.get("compute_cap", cap)
+        assert cap, f"{model}: no compute capability known; give it: compute_cap X.Y"
+        for _ in range(int(count)):
+            index = len(gpus)
+            gpus.append({"index": str(index), "name": model, "memory": int(said.get("memory", memory)), "cap": cap,
+                         "uuid": f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{index}.{model}.gpu-machine')}",
+                         "pci.bus_id": f"00000000:{0x18 + 0x10 * index:02X}:00.0"})
+    return {"driver": driver, "gpus": gpus}
+
+
+def field(gpu, name, driver, units):
+    values = {"index": gpu["index"], "name": gpu["name"], "gpu_name": gpu["name"], "uuid": gpu["uuid"],
+              "gpu_uuid": gpu["uuid"], "driver_version": driver, "compute_cap": gpu["cap"],
+              "memory.total": f"{gpu['memory']}{' MiB' if units else ''}", "pci.bus_id": gpu["pci.bus_id"]}
+    return values[name]
+
+
+def answer(argv, description=None):
+    """What this machine's nvidia-smi prints for `argv`, and its exit code."""
+    found = machine(description)
+    driver, gpus = found["driver"], found["gpus"]
+    if driver is None:
+        return NO_DRIVER, 9
+    options, args = {}, iter(argv)
+    for a in args:  # --query-gpu=name or --query-gpu name, -i 0
+        name, equals, value = a.partition("=")
+        options[name] = value if equals or name not in ("-i", "--id", "--query-gpu", "--format") else next(args, "")
+    if "-i" in options or "--id" in options:
+        ids = (options.get("-i") or options.get("--id") or "").split(",")
+        gpus = [g for g in gpus if g["index"] in ids or g["uuid"] in ids or g["pci.bus_id"] in ids]
+    if not gpus:
+        return NO_DEVICES, 6
+    if "--query-gpu" in options:
+        return query(gpus, driver, options["--query-gpu"], options.get("--format") or "")
+    if "-L" in options or "--list-gpus" in options:
+        return "\n".join(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})" for g in gpus), 0
+    cuda = DRIVER_CUDA[max(b for b in DRIVER_CUDA if b <= version(driver)[0])] if version(driver)[0] >= 450 else "11.0"
+    if "-q" in options:
+        each = [f"GPU {g['pci.bus_id']}\n    Product Name : {g['name']}\n    GPU UUID : {g['uuid']}" for g in gpus]
+        head = [f"Driver Version : {driver}", f"CUDA Version : {cuda}", f"Attached GPUs : {len(gpus)}"]
+        return "\n".join([*head, *each]), 0
+    table = [f"| {g['index']:>3}  {g['name']:<30} | {g['pci.bus_id']} | {g['memory']}MiB |" for g in gpus]
+    return "\n".join([f"| NVIDIA-SMI {driver}   Driver Version: {driver}   CUDA Version: {cuda} |", *table]), 0
+
+
+def query(gpus, driver, fields, form):
+    names = [f.strip() for f in fields.split(",")]
+    known = {"index", "name", "gpu_name", "uuid", "gpu_uuid", "driver_version", "memory.total", "pci.bus_id"}
+    known |= {"compute_cap"} if version(driver)[0] >= COMPUTE_CAP_FROM else set()
+    unknown = [n for n in names if n not in known]
+    if unknown or not form.startswith("csv"):
+        return (f'Field "{unknown[0]}" is not a valid field to query.' if unknown else '"--format" is needed'), 2
+    units = "nounits" not in form
+    rows = [", ".join(field(g, n, driver, units) for n in names) for g in gpus]
+    header = ", ".join(n + (" [MiB]" if n == "memory.total" and units else "") for n in names)
+    return "\n".join(rows if "noheader" in form else [header, *rows]), 0
+
+
+def cuda_order(gpus, environ):
+    """The GPUs as CUDA numbers them: fastest first (here: the highest compute capability first, then nvidia-smi's
+    order), or nvidia-smi's PCI order where CUDA_DEVICE_ORDER=PCI_BUS_ID."""
+    if environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID":
+        return list(gpus)
+    return sorted(gpus, key=lambda g: (-version(g["cap"])[0], -version(g["cap"])[1], int(g["index"])))
+
+
+def visible(gpus, environ):
+    """The GPUs CUDA_VISIBLE_DEVICES lets CUDA see, in CUDA's order: every one where it is unset; its ids (CUDA's
+    indices, or GPU UUIDs or their unique beginnings) up to the first that names none or repeats one."""
+    ordered, ids = cuda_order(gpus, environ), environ.get("CUDA_VISIBLE_DEVICES")
+    if ids is None:
+        return ordered
+    seen = []
+    for id in ids.split(","):
+        id = id.strip()
+        number = re.match(r"^\+?\d+", id)
+        match = [ordered[int(number[0])]] if number and int(number[0]) < len(ordered) else \
+            [g for g in ordered if id.startswith("GPU-") and g["uuid"].startswith(id)]
+        if len(match) != 1 or match[0] in seen:
+            break
+        seen.append(match[0])
+    return seen
+
+
+def runs_on(build, driver, gpus):
+    """Whether a torch build ("12.8", or None for a CPU build) runs on this driver and these GPUs."""
+    if build is None or driver is None:
+        return False
+    floor = FLOORS.get(build.split(".")[0])
+    blackwell = any(version(g["cap"]) >= (10,) for g in gpus)
+    return floor is not None and version(driver) >= floor and (not blackwell or version(driver) >= BLACKWELL_DRIVER)
+
+
+def torch_sees(found, sees, build, environ):
+    """The GPUs torch sees: those CUDA_VISIBLE_DEVICES shows, where torch sees them at all (`sees` "all") and its
+    build runs on the driver; none otherwise."""
+    gpus = visible(found["gpus"], environ)
+    return gpus if sees == "all" and runs_on(build, found["driver"], gpus) else []
+
+
+def stand_in(monkeypatch, description, sees="all", build=None):
+    """This machine, in a test's process: HOOK_GPU_MACHINE for nvidia-smi, and torch.cuda's answers (how many GPUs,
+    their names, properties and bfloat16), asked again at each call, so that CUDA_VISIBLE_DEVICES set later counts.
+    `sees`: "all" (torch sees what CUDA_VISIBLE_DEVICES shows) or "none" (a broken machine); `build`: torch's CUDA
+    build ("12.8", "cpu"; torch.version.cuda and torch.__version__), by default this torch's own."""
+    import torch
+
+    monkeypatch.setenv(SETTING, description)
+    if build is not None:
+        cuda = None if build == "cpu" else build
+        suffix = "+cpu" if cuda is None else f"+cu{cuda.replace('.', '')}"
+        monkeypatch.setattr(torch.version, "cuda", cuda)
+        monkeypatch.setattr(torch, "__version__", type(torch.__version__)(torch.__version__.split("+")[0] + suffix))
+    found = machine(description)
+
+    def seen():
+        return torch_sees(found, sees, torch.version.cuda, os.environ)
+
+    def gpu(device=None):
+        index = getattr(device, "index", device)
+        index = int(str(index).rsplit(":", 1)[-1]) if index not in (None, "cuda") else 0
+        return seen()[index]
+
+    def properties(device=None):
+        g = gpu(device)
+        major, minor = version(g["cap"])[:2]
+        return types.SimpleNamespace(name=g["name"], total_memory=g["memory"] * 2**20, major=major, minor=minor,
+                                     uuid=g["uuid"].removeprefix("GPU-"), multi_processor_count=132)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(seen()))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(seen()))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu(device)["name"])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: version(gpu(device)["cap"])[:2])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: bool(seen()) and version(gpu()["cap"]) >= (8,))
+    return found
+
+
+def main():
+    out, code = answer(sys.argv[1:])
+    print(out)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""A lesson is Python, and argparse is argparse (docs/adding-a-lesson.md): every way argparse declares a flag
+reaches the run's name, its record's settings and --resume's check; building the parser changes nothing outside
+it, and a parse puts back what it changed where it refuses; a lesson's relation to what the run derives refuses
+before any work, and before the machine does."""
+import os
+import signal
+import sys
+import warnings
+
+import pytest
+
+from conftest import ROOT, parse_as
+
+# 04 with a flag of each of argparse's ways: a group, a mutually exclusive group, choices, nargs, store_false,
+# dest, a type function of the script's own, and a relation to the run's steps (check=).
+OWN_FLAGS = '''
+def fraction_below_1(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
+def warmup_within_the_run(args):
+    if args.warmup_steps >= args.steps:
+        return f"--warmup-steps {args.warmup_steps}: must be below the run's {args.steps} optimizer steps"
+    return None
+
+
+if __name__ == "__main__":
+    parser = lesson_parser(epochs=3, check=warmup_within_the_run)
+    tuning = parser.add_argument_group("tuning")
+    tuning.add_argument("--label-smoothing", type=fraction_below_1, default=0.0, metavar="P", help="in [0, 1)")
+    tuning.add_argument("--warmup-steps", type=int, default=0, help="below the run's steps")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adam", help="the optimizer")
+    choice.add_argument("--sgd-momentum", type=float, dest="momentum", help="SGD with this momentum")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[16], help="sizes")
+    parser.add_argument("--no-bias", action="store_false", dest="bias", help="no bias")
+    args = parser.parse_args()
+'''
+
+
+@pytest.fixture
+def lesson(tmp_path):
+    text = (ROOT / "04_fabric-vit-mixed-precision.py").read_text()
+    start, end = text.index('if __name__ == "__main__":'), text.index("    args = parser.parse_args()\n")
+    end += len("    args = parser.parse_args()\n")
+    path = tmp_path / "my04.py"
+    path.write_text("import argparse\n" + text[:start] + OWN_FLAGS.strip() + "\n" + text[end:])
+    return path
+
+
+def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(lesson):
+    """Each own flag, wherever declared, is in the settings (the record's and --resume's) by its first option
+    string, and a changed one in the run's name (a list by commas, a switch by its flag)."""
+    args = parse_as(lesson, "--smoke", "--label-smoothing", "0.1", "--optimizer", "sgd", "--sizes", "8", "4",
+                    "--no-bias", "--warmup-steps", "2")
+    assert args.own == {"--label-smoothing": 0.1, "--warmup-steps": 2, "--optimizer": "sgd", "--sgd-momentum": None,
+                        "--sizes": [8, 4], "--no-bias": False}
+    name = "my04-smoke-label-smoothing0.1-warmup-steps2-optimizersgd-sizes8,4-no-bias"
+    assert args.save_model == f"models/{name}.pt" and args.checkpoint_dir == f"checkpoints/{name}"
+    defaults = parse_as(lesson, "--smoke")
+    assert defaults.save_model == "models/my04-smoke.pt" and defaults.own["--optimizer"] == "adam"
+    assert defaults.steps == 2 * (1197 // 16)  # 2 smoke epochs of the 1,197 training digits
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--label-smoothing", "1.0"], "argument --label-smoothing: must be in [0, 1), got 1.0"),
+    (["--optimizer", "sgd", "--sgd-momentum", "0.9"], "argument --sgd-momentum: not allowed with argument --optimizer"),
+    (["--warmup-steps", "99999"], "--warmup-steps 99999: must be below the run's"),
+])
+def test_a_lessons_own_refusal_is_one_line_and_comes_before_the_machines(lesson, capsys, flags, says):
+    """Without --smoke on this GPU-less machine the machine refuses ("no CUDA GPU found"), but the lesson's own
+    refusal comes first: its type function, argparse's, its relation to the run's steps (check=)."""
+    for machine in ([], ["--smoke"]):
+        with pytest.raises(SystemExit) as stopped:
+            parse_as(lesson, *machine, *flags)
+        err = capsys.readouterr().err.strip()
+        assert stopped.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def interpreter():
+    return (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), dict(os.environ),
+            list(warnings.filters))
+
+
+def test_building_the_parser_changes_nothing_and_a_refusal_puts_back_all(monkeypatch, capsys):
+    """lesson_parser(...) reads no file and installs nothing; a refused parse (a bad value, and a run that falls
+    back to another precision: it sets LT_PRECISION) leaves the interpreter as it found it."""
+    import local_utilities as lu
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "04_fabric-vit-mixed-precision.py"), "--smoke", "--epochs", "0"])
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # no bfloat16 units: this run would set LT_PRECISION
+    before = interpreter()
+    parser = lu.lesson_parser(epochs=3)
+    assert interpreter() == before
+    with pytest.raises(SystemExit):
+        parser.parse_args()
+    assert interpreter() == before
+    args = lu.lesson_parser(epochs=3).parse_args(["--smoke"])
+    assert os.environ["LT_PRECISION"] == "32-true" and signal.getsignal(signal.SIGINT) != before[0]
+    args.as_found.put_back()
+    assert interpreter() == before
