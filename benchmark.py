@@ -18,13 +18,11 @@ import argparse
 import tempfile
 import time
 
-import torch
-
 from benchmarks import memory, peaks, throughput
 from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range, processes_of
 from benchmarks.reports import chart_command, write_report
 from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, on_signals, stop_while_starting, whole_number
-from run_keeping.gpu import no_gpu
+from run_keeping.gpu import no_gpu, usable_gpus
 
 
 def parse_args(argv=None):
@@ -106,8 +104,8 @@ def settle(args, parser):
         parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(peaks.UNIT)}")
     args.chose_device = args.accelerator == "auto"
     if args.accelerator == "auto":
-        args.accelerator = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"  # --smoke: as the scripts
-    gpus = torch.cuda.device_count() if args.accelerator == "cuda" else None
+        args.accelerator = "cuda" if not args.smoke and usable_gpus() else "cpu"  # --smoke: as the scripts
+    gpus = usable_gpus() if args.accelerator == "cuda" else None
     args.skipped = [f"{script} needs {needed} GPUs and this machine has {gpus}" for script, _ in args.runs
                     if gpus is not None and (needed := processes_of(script, args.devices)) > gpus]
     args.runs = [(s, b) for s, b in args.runs if gpus is None or processes_of(s, args.devices) <= gpus]

@@ -79,8 +79,8 @@ class Check:
         self.deadline = self.started + 60 * args.minutes - MARGIN_S
         self.out = Path(args.out)
         if gpus is None:
-            import torch
-            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            from run_keeping.gpu import usable_gpus
+            gpus = usable_gpus()
         self.gpus, self.gpu = gpus, gpu_line(args.smoke)
         self.costs = {}    # kind: {key: [seconds of each run]}
         self.stages = []   # (name, title, state, text) of each stage done
@@ -126,8 +126,8 @@ def gpu_line(smoke):
     nvidia-smi gives them, asked by the UUID torch gives it: nvidia-smi numbers the GPUs in PCI order, CUDA fastest
     first unless CUDA_DEVICE_ORDER=PCI_BUS_ID. At --smoke, or where torch sees no GPU, that none is used."""
     import torch
-    from run_keeping.gpu import nvidia_smi
-    if smoke or not torch.cuda.is_available():
+    from run_keeping.gpu import nvidia_smi, usable_gpus
+    if smoke or not usable_gpus():
         return "no NVIDIA GPU used: a CPU run"
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"

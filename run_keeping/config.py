@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from run_keeping.gpu import fewer, flags_for, no_gpu
+from run_keeping.gpu import fewer, flags_for, no_gpu, usable_gpus
 
 SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
@@ -99,7 +99,7 @@ class AsFound:
         import torch
 
         self.handlers = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
-        self.environ, self.threads, self.put = dict(os.environ), torch.get_num_threads(), False
+        self.environ, self.threads, self.restored = dict(os.environ), torch.get_num_threads(), False
         self.warnings = warnings.catch_warnings()  # the warnings module's own way to keep the filters and put them back
         self.warnings.__enter__()
 
@@ -107,8 +107,8 @@ class AsFound:
         """The interpreter as found; `guard`: as it exits, Ctrl-C and SIGTERM ignored (no exit code changes)."""
         import torch
 
-        if not self.put:
-            self.put = True
+        if not self.restored:
+            self.restored = True
             self.warnings.__exit__(None, None, None)
             for name in set(os.environ) - set(self.environ):
                 del os.environ[name]
@@ -329,13 +329,12 @@ class LessonParser(Parser):
     def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]
         """The settings (Settings), or one line and exit 2; the interpreter as found where it refuses."""
         as_found = AsFound()
+        on_signals(as_found.stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
         try:
-            settings = self.settle(super().parse_args(args, namespace or Settings()), as_found)
+            return self.settle(super().parse_args(args, namespace or Settings()), as_found)
         except SystemExit:
             as_found.put_back()
             raise
-        on_signals(as_found.stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
-        return settings
 
     def settle(self, given, as_found):
         said = read_script(sys.argv[0])
@@ -406,7 +405,8 @@ def name_part(flag, value):
     """A changed setting in a run's name: a switch by its flag alone, a value after it (a list by commas)."""
     if isinstance(value, bool):
         return flag.lstrip("-")
-    return flag.lstrip("-") + (",".join(map(str, value)) if isinstance(value, list) else str(value))
+    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
+    return flag.lstrip("-") + text.replace("/", "_")  # a path's value names a file, not folders
 
 
 def end_as_multi_process_run():
@@ -421,10 +421,11 @@ def end_as_multi_process_run():
 
 
 def place_processes(given, parser):
-    """The accelerator, processes per machine and data-parallel replicas, and the defaults the run's name is against."""
-    import torch
-
-    devices, cuda_count = parser.shape["devices"], torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """The accelerator, processes per machine and data-parallel replicas, the defaults the run's name is against, and
+    the machine's refusal (where it cannot run what the flags ask: said after the lesson's own); a launch, a count of
+    CPU processes or a tensor-parallel size that cannot be is refused here."""
+    on_the_cpu = given.accelerator == "cpu" or (given.smoke and given.accelerator == "auto")  # CUDA not started
+    devices, cuda_count = parser.shape["devices"], 0 if on_the_cpu else usable_gpus()
     accelerator, problem = given.accelerator, None  # the machine's refusal, said after the lesson's own (settle)
     if accelerator == "auto" and cuda_count == 0 and not given.smoke:
         hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))

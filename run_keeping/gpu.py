@@ -57,6 +57,26 @@ def shown(gpus, ids):
     return seen
 
 
+def cuda_starts():
+    """Whether this torch's CUDA runtime starts on the driver. Lightning's import has torch count the GPUs through the
+    driver's NVML (PYTORCH_NVML_BASED_CUDA_CHECK), which lists them where this build cannot use the driver too."""
+    import torch
+
+    try:
+        torch.cuda.init()
+    except (RuntimeError, AssertionError):  # a driver too old for the build; a build without CUDA
+        return False
+    return True
+
+
+def usable_gpus():
+    """How many GPUs this torch can use: those it counts, where its CUDA runtime starts on the driver."""
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return count if count and cuda_starts() else 0
+
+
 def no_gpu(then):
     """Where torch sees no GPU, the line that says why and what to do (`then`: the caller's way on a CPU, where
     CUDA_VISIBLE_DEVICES hides the GPUs); None where nvidia-smi lists none, fails or is absent."""
@@ -97,7 +117,7 @@ def unusable(gpus):
     elif not why:  # the build runs on this driver: the driver or the machine does not
         cure = "this build fits the driver: check that the driver works (nvidia-smi -q) and that nothing hides the GPU"
     else:
-        install = f"pip install torch torchvision --index-url {INDEX}/cu{runs[0].replace('.', '')}"
+        install = f"pip install --force-reinstall torch torchvision --index-url {INDEX}/cu{runs[0].replace('.', '')}"
         cure = f"{why}; install a CUDA {runs[0]} build, the newest this driver runs: {install}"
     names = [g["name"] for g in gpus]  # a count before each model there are several of
     what = ", ".join(f"{names.count(n)} x {n}" if names.count(n) > 1 else n for n in dict.fromkeys(names))

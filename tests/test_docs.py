@@ -111,9 +111,9 @@ def documented_commands():
 CANNOT_RUN_HERE = {
     "pip install -r requirements.txt && python -m pytest -q": "this suite", "python -m pytest -q": "this suite",
     "python -m pytest -q -m \"not slow\"": "this suite",
-    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt":
+    "pip install --force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cpu && pip install -r requirements.txt":
         "PyTorch's own package index, which this machine does not reach; the rest is this suite's install",
-    "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu128 && pip install -r requirements.txt":
+    "pip install --force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cu128 && pip install -r requirements.txt":
         "PyTorch's own package index, which this machine does not reach; the rest is this suite's install",
     "torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr 10.0.0.1 --master-port 29500 "
     "06_fabric-vit-mixed-fsdp.py --devices 4 --num-nodes 2": "two machines; test_fabric.py runs two torchrun nodes on this one",

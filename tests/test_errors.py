@@ -239,12 +239,12 @@ def test_another_compile_error_is_said_as_itself():
 
 @pytest.mark.parametrize("driver, build, cure", [
     ("550.54.15", "13.0", "a CUDA 13.0 build needs driver 580.65.06 or newer; install a CUDA 12.8 build, the "
-                          "newest this driver runs: pip install torch torchvision --index-url "
+                          "newest this driver runs: pip install --force-reinstall torch torchvision --index-url "
                           "https://download.pytorch.org/whl/cu128"),
     ("580.65.06", "12.6", "this build fits the driver: check that the driver works (nvidia-smi -q) and that nothing "
                           "hides the GPU"),
     ("580.65.06", "cpu", "a CPU build uses no GPU; install a CUDA 13.0 build, the newest this driver runs: "
-                         "pip install torch torchvision --index-url https://download.pytorch.org/whl/cu130"),
+                         "pip install --force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cu130"),
 ])
 def test_a_gpu_torch_cannot_use_is_said_with_the_build_that_fits(driver, build, cure, monkeypatch):
     """nvidia-smi lists an H100 and torch sees none: the line names the GPU, the driver, this torch's build and the

@@ -33,7 +33,7 @@ FITS = "this build fits the driver: check that the driver works (nvidia-smi -q) 
 
 
 def install(cuda, tag):
-    return f"install a CUDA {cuda} build, the newest this driver runs: pip install torch torchvision " \
+    return f"install a CUDA {cuda} build, the newest this driver runs: pip install --force-reinstall torch torchvision " \
            f"--index-url https://download.pytorch.org/whl/{tag}"
 
 

@@ -157,7 +157,8 @@ def stand_in(monkeypatch, description, sees="all", build=None):
     """This machine, in a test's process: HOOK_GPU_MACHINE for nvidia-smi, and torch.cuda's answers (how many GPUs,
     their names, properties and bfloat16), asked again at each call, so that CUDA_VISIBLE_DEVICES set later counts.
     `sees`: "all" (torch sees what CUDA_VISIBLE_DEVICES shows) or "none" (a broken machine); `build`: torch's CUDA
-    build ("12.8", "cpu"; torch.version.cuda and torch.__version__), by default this torch's own."""
+    build ("12.8", "cpu"; torch.version.cuda and torch.__version__), by default this torch's own. A CUDA build
+    counts the GPUs the driver lists (NVML, as once Lightning is imported) and starts only where it runs there."""
     import torch
 
     monkeypatch.setenv(SETTING, description)
@@ -182,8 +183,16 @@ def stand_in(monkeypatch, description, sees="all", build=None):
         return types.SimpleNamespace(name=g["name"], total_memory=g["memory"] * 2**20, major=major, minor=minor,
                                      uuid=g["uuid"].removeprefix("GPU-"), multi_processor_count=132)
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(seen()))
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(seen()))
+    def counted():  # as torch counts them once Lightning is imported: through the driver's NVML, build or no build
+        return seen() if sees == "none" or torch.version.cuda is None else visible(found["gpus"], os.environ)
+
+    def init():  # the CUDA runtime starts only where the build runs on the driver
+        if not seen():
+            raise RuntimeError("The NVIDIA driver on your system is too old (found version 12020).")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(counted()))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(counted()))
+    monkeypatch.setattr(torch.cuda, "init", init)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu(device)["name"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: version(gpu(device)["cap"])[:2])
