@@ -31,8 +31,7 @@ from run_keeping.config import MOST_WORKERS
 from run_keeping.config import Parser
 from run_keeping.config import check_path
 from run_keeping.config import fail
-from run_keeping.config import on_signals
-from run_keeping.config import stop_while_starting
+from run_keeping.config import tool_run
 from run_keeping.config import whole_number
 from run_keeping.reading import load_model_file
 from run_keeping.reading import record_of
@@ -166,48 +165,48 @@ def answer(probs, classes, blank, noise):
 
 
 if __name__ == "__main__":
-    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
-    args = parse_args()
-    record = record_of(args.model, args.results)  # the run that saved the model, if recorded
-    precision = args.precision or (record["precision"] if record else "32-true")
-    fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=1, precision=precision)
-    print(f"Loading {args.model} on {fabric.device} in {precision}"
-          + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else "")
-          + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record["compile_mode"] else ""))
+    with tool_run():  # Ctrl-C and SIGTERM: one line; the interpreter as found afterwards
+        args = parse_args()
+        record = record_of(args.model, args.results)  # the run that saved the model, if recorded
+        precision = args.precision or (record["precision"] if record else "32-true")
+        fabric = L.Fabric(accelerator="cpu" if args.smoke else args.accelerator, devices=1, precision=precision)
+        print(f"Loading {args.model} on {fabric.device} in {precision}"
+              + (f" (saved by {record['script']}, test accuracy {record['test_acc'] * 100:.2f}%)" if record and record["test_acc"] is not None else "")
+              + ("; it was compiled then and runs eagerly now, whose rounding may change a few predictions" if record and record["compile_mode"] else ""))
 
-    #########################################
-    ### 1 Loading the model
-    #########################################
-    model = build_vit(weights=None, args=args)
-    model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
-    load_model_file(model, args.model)  # model.load_state_dict(torch.load(args.model)), with clear errors
-    model = fabric.setup_module(model)
+        #########################################
+        ### 1 Loading the model
+        #########################################
+        model = build_vit(weights=None, args=args)
+        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)
+        load_model_file(model, args.model)  # model.load_state_dict(torch.load(args.model)), with clear errors
+        model = fabric.setup_module(model)
 
-    if args.predict:
-        #########################################
-        ### 2 Predicting your own images
-        #########################################
-        classes = [str(digit) for digit in range(10)] if args.smoke else CIFAR10_CLASSES
-        if args.smoke:
-            print("Each image is read as the smoke digits look: light on dark (a light background is "
-                  "inverted); a digit that does not fill its frame is cropped to its ink, padded to "
-                  "a square and reduced to 8x8 grey levels")
-        model.eval()
-        noise = noise_level(model, args.smoke, fabric.device)
-        for path in args.predict:
-            try:
-                with Image.open(path) as picture:
-                    image, inverted = prepare(picture, args.smoke)
-            except (OSError, UnidentifiedImageError) as err:
-                fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
-            blank = float(image.max() - image.min()) < 1e-6  # one colour: nothing drawn
-            print(f"{path}: {answer(probabilities(model, image, fabric.device), classes, blank, noise)}"
-                  + (" (light background, inverted)" if inverted and not blank else ""))
-    else:
-        #########################################
-        ### 2 Evaluation on the test set
-        #########################################
-        _, _, test_loader = get_dataloaders(args)
-        test_loader = fabric.setup_dataloaders(test_loader)
-        test_acc = evaluate(model, test_loader, fabric.device)
-        print(f"Test accuracy {test_acc * 100:.2f}%")
+        if args.predict:
+            #########################################
+            ### 2 Predicting your own images
+            #########################################
+            classes = [str(digit) for digit in range(10)] if args.smoke else CIFAR10_CLASSES
+            if args.smoke:
+                print("Each image is read as the smoke digits look: light on dark (a light background is "
+                      "inverted); a digit that does not fill its frame is cropped to its ink, padded to "
+                      "a square and reduced to 8x8 grey levels")
+            model.eval()
+            noise = noise_level(model, args.smoke, fabric.device)
+            for path in args.predict:
+                try:
+                    with Image.open(path) as picture:
+                        image, inverted = prepare(picture, args.smoke)
+                except (OSError, UnidentifiedImageError) as err:
+                    fail(f"cannot read the image {path}: {getattr(err, 'strerror', None) or err}")
+                blank = float(image.max() - image.min()) < 1e-6  # one colour: nothing drawn
+                print(f"{path}: {answer(probabilities(model, image, fabric.device), classes, blank, noise)}"
+                      + (" (light background, inverted)" if inverted and not blank else ""))
+        else:
+            #########################################
+            ### 2 Evaluation on the test set
+            #########################################
+            _, _, test_loader = get_dataloaders(args)
+            test_loader = fabric.setup_dataloaders(test_loader)
+            test_acc = evaluate(model, test_loader, fabric.device)
+            print(f"Test accuracy {test_acc * 100:.2f}%")

@@ -21,7 +21,7 @@ import time
 from benchmarks import memory, peaks, throughput
 from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range, processes_of
 from benchmarks.reports import chart_command, write_report
-from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, on_signals, stop_while_starting, whole_number
+from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, tool_run, whole_number
 from run_keeping.gpu import no_gpu, usable_gpus
 
 
@@ -165,5 +165,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
-    main()
+    with tool_run():  # Ctrl-C and SIGTERM: one line; the interpreter as found afterwards
+        main()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from run_keeping.config import Parser, check_path, device_name, on_signals, stop_while_starting, whole_number
+from run_keeping.config import Parser, check_path, device_name, tool_run, whole_number
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"
@@ -203,5 +203,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
-    main()
+    with tool_run():  # Ctrl-C and SIGTERM: one line; the interpreter as found afterwards
+        main()

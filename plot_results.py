@@ -19,7 +19,7 @@ import textwrap
 from pathlib import Path
 
 from benchmarks.reports import chart_command
-from run_keeping.config import Parser, check_path, fail, on_signals, stop_while_starting
+from run_keeping.config import Parser, check_path, fail, tool_run
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs, upgrade, whole
 
@@ -398,5 +398,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    on_signals(stop_while_starting)  # Ctrl-C and SIGTERM: one line
-    main()
+    with tool_run():  # Ctrl-C and SIGTERM: one line; the interpreter as found afterwards
+        main()

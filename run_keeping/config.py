@@ -6,6 +6,7 @@ precision, torch.compile mode and --help) is read from it (read_script): docs/ru
 import argparse
 import ast
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -63,25 +64,22 @@ def resume_command(flags=None):
 
 
 def on_signals(handler):
-    """The one place a handler for Ctrl-C and SIGTERM is installed (docs/run-keeping.md lists when)."""
+    """Where a run installs its handler for Ctrl-C and SIGTERM (docs/run-keeping.md lists when); AsFound puts back
+    those it found."""
     for signum in EXIT_ON_SIGNAL:
         signal.signal(signum, handler)
 
 
-def hand_back(guard=True):
-    """As a run ends: Python's own handlers again, for whoever ran the script (a prompt, a notebook, a debugger);
-    `guard`: as the interpreter exits, both signals ignored, so that none changes a documented exit code."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if guard:
-        atexit.register(on_signals, signal.SIG_IGN)
-
-
-def stop_while_starting(signum, frame=None):  # the tools' (benchmark.py, plot_results.py, 08): one line
-    name = signal.Signals(signum).name
-    print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
-    hand_back()
-    raise SystemExit(EXIT_ON_SIGNAL[signum])
+@contextlib.contextmanager
+def tool_run():
+    """A tool's run (08, benchmark.py, plot_results.py, make_smoke_weights.py): Ctrl-C and SIGTERM end it in one
+    line, and it leaves the interpreter as it found it, however it ends."""
+    as_found = AsFound()
+    on_signals(as_found.stop_while_starting)
+    try:
+        yield
+    finally:
+        as_found.put_back()
 
 
 def is_interactive():
@@ -96,24 +94,23 @@ class AsFound:
     and torch's threads (that launcher gives each process its share of the cores)."""
 
     def __init__(self):
-        import torch
-
+        torch = sys.modules.get("torch")  # a lesson has imported it; a tool may not need it
         self.handlers = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
-        self.environ, self.threads, self.restored = dict(os.environ), torch.get_num_threads(), False
+        self.threads = torch.get_num_threads() if torch else None
+        self.environ, self.restored = dict(os.environ), False
         self.warnings = warnings.catch_warnings()  # the warnings module's own way to keep the filters and put them back
         self.warnings.__enter__()
 
     def put_back(self, guard=False):
         """The interpreter as found; `guard`: as it exits, Ctrl-C and SIGTERM ignored (no exit code changes)."""
-        import torch
-
         if not self.restored:
             self.restored = True
             self.warnings.__exit__(None, None, None)
             for name in set(os.environ) - set(self.environ):
                 del os.environ[name]
             os.environ.update(self.environ)
-            torch.set_num_threads(self.threads)
+            if self.threads is not None:
+                sys.modules["torch"].set_num_threads(self.threads)
             for signum, handler in self.handlers.items():
                 signal.signal(signum, signal.SIG_DFL if handler is None else handler)
         if guard:
@@ -138,13 +135,17 @@ PROCESS_END: dict = {"registered": False, "code": None}
 
 
 def end_multi_process_run():
-    """The exit handler that ends a lesson's process as PROCESS_END says: with the run's code, or 1 where a
+    """The exit handler that ends a lesson's process as PROCESS_END says: with its last run's code, or 1 where a
     traceback followed it; where no run of processes ended, it does nothing."""
-    if PROCESS_END["code"] is None:
-        return
+    if PROCESS_END["code"] is not None:
+        end_process(1 if getattr(sys, "last_value", None) is not None else PROCESS_END["code"])
+
+
+def end_process(code):
+    """Ends this process with `code` at once (os._exit): Ctrl-C and SIGTERM ignored, logging's handlers and the
+    standard streams flushed first."""
     on_signals(signal.SIG_IGN)  # Lightning's NCCL exit handler put SIGINT's default back
-    code = 1 if getattr(sys, "last_value", None) is not None else PROCESS_END["code"]
-    logging.shutdown()  # registered at logging's import, before this: its handlers flushed and closed here
+    logging.shutdown()  # registered at logging's import, before the parse: its handlers flushed and closed here
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -232,6 +233,8 @@ class Settings(argparse.Namespace):
     kind: str  # "smoke", "synthetic", "smoke-synthetic", or "" (the talk's run)
     accelerator: str  # "cuda" or "cpu" ("auto" decided)
     devices: int  # processes per machine
+    num_nodes: int  # machines (1 for a lesson of one process, which takes no --num-nodes)
+    num_workers: int  # CIFAR-10's loader processes (4 where the lesson takes no --num-workers)
     world_size: int  # processes in all
     data_parallel: int  # model replicas: the processes over tensor_parallel
     micro_batches: int  # parts the loader hands out each batch in (12's gradient accumulation); 1 otherwise
@@ -251,16 +254,14 @@ class LessonGroup:
     """A group of a lesson's flags (add_argument_group, add_mutually_exclusive_group): argparse's, its flags
     counted as the lesson's own as the parser's are; argparse's group class is private, so this one wraps it."""
 
-    def __init__(self, group, own_flags):
-        self.group, self.own_flags = group, own_flags
+    def __init__(self, group, parser):
+        self.group, self.parser = group, parser
 
     def add_argument(self, *names, **keywords):
-        action = self.group.add_argument(*names, **keywords)
-        self.own_flags.append(action)
-        return action
+        return self.parser.own(self.group.add_argument(*names, **keywords))
 
     def add_mutually_exclusive_group(self, **keywords):
-        return LessonGroup(self.group.add_mutually_exclusive_group(**keywords), self.own_flags)
+        return LessonGroup(self.group.add_mutually_exclusive_group(**keywords), self.parser)
 
     def __getattr__(self, name):  # the rest of argparse's group (set_defaults, get_default, ...)
         return getattr(self.group, name)
@@ -309,17 +310,24 @@ class LessonParser(Parser):
     # argparse's add_argument is typed to take its keywords one by one; this one hands them on as they come
     def add_argument(self, *names, **keywords):  # type: ignore[override]
         action = super().add_argument(*names, **keywords)
-        if self.own_flags is not None:
-            self.own_flags.append(action)
+        return action if self.own_flags is None else self.own(action)
+
+    def own(self, action):
+        """A lesson's flag, counted as its own; one whose dest is a setting the run derives is refused."""
+        if action.dest in Settings.__annotations__ and action.dest not in ("micro_batches", "tensor_parallel"):
+            flag = "/".join(action.option_strings) or action.dest
+            self.error(f"{flag}: its dest {action.dest!r} is a setting the run derives (Settings); give it another")
+        assert self.own_flags is not None, "own() is for the lesson's flags, after the shared ones"
+        self.own_flags.append(action)
         return action
 
     def add_argument_group(self, *args, **keywords):  # type: ignore[override]  (a LessonGroup, not argparse's class)
         group = super().add_argument_group(*args, **keywords)
-        return group if self.own_flags is None else LessonGroup(group, self.own_flags)
+        return group if self.own_flags is None else LessonGroup(group, self)
 
     def add_mutually_exclusive_group(self, **keywords):  # type: ignore[override]  (likewise)
         group = super().add_mutually_exclusive_group(**keywords)
-        return group if self.own_flags is None else LessonGroup(group, self.own_flags)
+        return group if self.own_flags is None else LessonGroup(group, self)
 
     def flag(self, dest, otherwise):  # the lesson's flag that sets `dest`, or `otherwise`
         flags = [a.option_strings[0] for a in self.own_flags or [] if a.dest == dest and a.option_strings]
@@ -356,16 +364,16 @@ class LessonParser(Parser):
         name = "-".join(part for part in [Path(sys.argv[0]).stem, kind, *named] if part)
         vars(given).update(places, **sizes, script=Path(sys.argv[0]).name, kind=kind, vit=chosen["vit"])
         given.own = {flag: value for flag, (value, _) in own.items()}
-        if self.check and (wrong := self.check(given)):
-            self.error(wrong)
-        if machine:
-            fail(machine)
         asked, given.data_dir = said["precision"], given.data_dir or "data"
         given.precision = precision_that_runs(asked, places["accelerator"], said["sharded"])
         vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=said["compile_mode"])
         vars(given).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
+        if self.check and (wrong := self.check(given)):  # every setting but as_found, which comes last
+            self.error(wrong)
+        if machine:
+            fail(machine)
         check_path("--results", given.results)  # each place the run writes, before any work
         check_path("--save-model", given.save_model)
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
@@ -374,7 +382,8 @@ class LessonParser(Parser):
         if not kind and not given.no_download:
             check_path("--data-dir", given.data_dir, folder=True)
         if self.shape["devices"] is not None:  # a strategy of processes (DDP, FSDP2), even of one
-            end_as_multi_process_run()
+            refuse_at_a_prompt()
+            register_process_end()
         # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
         # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
@@ -409,12 +418,19 @@ def name_part(flag, value):
     return flag.lstrip("-") + text.replace("/", "_")  # a path's value names a file, not folders
 
 
-def end_as_multi_process_run():
-    """A lesson whose strategy runs processes (Lightning's launcher starts them, even one): at a prompt, one line
-    (that launcher refuses to run there); else its process ends as PROCESS_END says, after the exit handlers."""
+def refuse_at_a_prompt():
+    """A lesson whose strategy runs processes (Lightning's subprocess launcher starts them, even one) at a prompt
+    (IPython, a notebook, python -i), where that launcher refuses to start them: one line, with the shell's command."""
     if is_interactive():
         how = f"from a shell: {invoked(*sys.argv[1:])}"
-        fail(f"this lesson's processes are started by Lightning's launcher, which cannot run at a prompt: run it {how}")
+        launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
+        fail(f"this lesson's processes are started by {launcher}: run it {how}")
+
+
+def register_process_end():
+    """The exit handler that ends a lesson's processes (end_multi_process_run), once an interpreter; a run's code
+    from this parse on (a refused one ends as Python ends)."""
+    PROCESS_END["code"] = None
     if not PROCESS_END["registered"]:
         PROCESS_END["registered"] = True
         atexit.register(end_multi_process_run)

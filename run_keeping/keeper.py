@@ -14,6 +14,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from traceback import print_exception
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
-from run_keeping.config import PROCESS_END, invoked, on_signals, resume_command, started_flags
+from run_keeping.config import PROCESS_END, end_process, invoked, on_signals, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
 
@@ -120,7 +121,7 @@ class RunKeeper:
             code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
         self.let_go()
         self.say(message and f"\n{self.args.script}: {message}", to=sys.stderr)
-        self.end(code)
+        self.end(code, error if code is None else None)
         if code:
             raise SystemExit(code) from None
         return False  # finished (0), or an error nobody can act on but by reading its traceback (None)
@@ -145,16 +146,22 @@ class RunKeeper:
             return 3, f"error: {lost}; the run finished: its record is in {self.args.results}."
         return 0, None
 
-    def end(self, code):
-        """Hands back: the process group destroyed where every process met at the end (a process that did not may
-        hold a collective open, which destroying would wait for), the interpreter as found (Python's handlers
-        again, for a prompt, a notebook, a debugger); the code a multi-process run's process ends with."""
+    def end(self, code, error=None):
+        """Hands back: the process group destroyed where every process met at the end, the interpreter as found
+        (Python's handlers again, for a prompt, a notebook, a debugger). A run of processes that did not meet (a
+        signal, an error: a collective may be open, which destroying the group, or Lightning's exit handler that
+        does, would wait for on NCCL) ends its process here, after the traceback of an `error`; one that met ends
+        it after the exit handlers (config.PROCESS_END)."""
         distributed = torch.distributed.is_initialized()
         if distributed and code == 0:
             torch.distributed.destroy_process_group()
         self.args.as_found.put_back(guard=code is not None)  # after a traceback, Ctrl-C ends it as in any program
+        if distributed and code != 0:
+            if error is not None:
+                print_exception(error)
+            end_process(1 if code is None else code)
         if distributed:
-            PROCESS_END["code"] = 1 if code is None else code
+            PROCESS_END["code"] = 0
 
     def let_go(self):
         """The folder let go of, and removed if nothing of the run is left in it."""
@@ -200,8 +207,8 @@ class RunKeeper:
         exists, latest, c = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}, self.args
         restart = restart_reason(latest)
         if exists and not c.resume and not restart:
-            afresh = start_over(self.folder, c.checkpoint_dir_is_default)
-            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {afresh}"
+            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {elsewhere(self.folder)}"
+            continuing += f"; or {start_over(self.folder, c.checkpoint_dir_is_default)}"
             fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
         if c.resume and not exists:
             others = sorted(self.folder.parent.glob(f"{Path(c.script).stem}*/{LATEST}"))
@@ -502,9 +509,7 @@ def explain(error, args, rank, world_size, last_checkpoint):
         return f"error: {oom}: try a smaller --batch-size.", 1
     failed = sorted(Path(args.checkpoint_dir).glob(f"{FAILED}*")) if lost else []
     if failed:  # not lost: a process failed with an error, and said it in its traceback
-        which = " and ".join(f.read_text().strip() for f in failed)
-        for marker in failed:
-            remove(marker)
+        which = " and ".join(f.read_text().strip() for f in failed)  # left for the others; the next start clears them
         return f"error: {which} failed with an error (its traceback says which). Process {rank} stops too.", 1
     if lost:
         peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))

@@ -51,8 +51,8 @@ def test_ipython_and_python_i_get_control_back(tmp_path):
     out = ipython.stdout + ipython.stderr
     assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
     assert "AFTER A REFUSAL True" in out and "AFTER 05 True" in out and "AFTER 03 True False" in out, out[-3000:]
-    assert (f"05_fabric-vit-mixed-ddp.py: error: this lesson's processes are started by Lightning's launcher, which "
-            f"cannot run at a prompt: run it from a shell: python {ROOT / '05_fabric-vit-mixed-ddp.py'} --smoke") in out
+    assert ("05_fabric-vit-mixed-ddp.py: error: this lesson's processes are started by Lightning's subprocess "
+            f"launcher, which cannot run at a prompt: run it from a shell: python {ROOT / '05_fabric-vit-mixed-ddp.py'} --smoke") in out
     assert f"PRECISIONS ['32-true', '{'bf16-mixed' if native_bf16() else '32-true'}']" in out, out[-3000:]
     interactive = subprocess.run([sys.executable, "-i", str(ROOT / LESSON), *SHORT], cwd=tmp_path, env=script_env(tmp_path),
                                  input="print('the prompt was reached')\n", capture_output=True, text=True, timeout=300)

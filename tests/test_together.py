@@ -93,7 +93,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     def printed(text, after):
         """The command after `after` in the one line that says it."""
         line = next(line for line in text.splitlines() if after in line)
-        return line.split(after, 1)[1].strip().rstrip(".").split("; or start over with: ")[0]
+        return line.split(after, 1)[1].strip().rstrip(".").split("; or start")[0]
 
     def run_printed(command, env=env):
         return subprocess.run(["bash", "-c", command.replace("python", shlex.quote(sys.executable), 1)
