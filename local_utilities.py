@@ -24,8 +24,10 @@ SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
 def lesson_parser(epochs, devices=None, batch_size=16, loader=True, check=None):
-    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes;
-    `check(args)`: a lesson's relation to what the run derives (docs/adding-a-lesson.md)."""
+    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes.
+    `devices`: the processes per machine of a lesson whose strategy runs several (None: one, and no --devices or
+    --num-nodes); `check(args)`: a lesson's relation to what the run derives, a message where it fails, else None
+    (docs/adding-a-lesson.md)."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
     return LessonParser(epochs, devices, batch_size, loader, train_images=images, check=check)
 

@@ -18,7 +18,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from run_keeping.gpu import fewer, flags_for, no_gpu, usable_gpus
+from run_keeping.gpu import fewer_gpus_line, flags_for, no_gpu_line, no_kernels_line, usable_gpus
 
 SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
@@ -27,7 +27,7 @@ WARMUP_STEPS = 3  # a run's first optimizer steps are not timed (start-up, compi
 DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's loader reads
 VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit: the talk's, the memory sequel's
 MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here has cores
-INTERACTIVE = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
+SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # The settings that name a run's checkpoint folder and model file where they differ from the
 # script's defaults, so runs of other settings never share them, with their spelling there; a
@@ -345,6 +345,9 @@ class LessonParser(Parser):
             raise
 
     def settle(self, given, as_found):
+        """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go
+        together, the places and sizes, the lesson's own relation (check=), the machine, the places the run
+        writes, a prompt; then what it sets for the run (a warnings filter, LT_PRECISION), to be put back."""
         said = read_script(sys.argv[0])
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
         given_data = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
@@ -362,12 +365,13 @@ class LessonParser(Parser):
         own = own_settings(self.own_flags or [], given)
         named += [name_part(flag, value) for flag, (value, default) in own.items() if value != default]
         name = "-".join(part for part in [Path(sys.argv[0]).stem, kind, *named] if part)
-        vars(given).update(places, **sizes, script=Path(sys.argv[0]).name, kind=kind, vit=chosen["vit"])
+        vars(given).update(places, **sizes)  # the declared settings place_processes and settle_sizes make
+        given.script, given.kind, given.vit = Path(sys.argv[0]).name, kind, chosen["vit"]
         given.own = {flag: value for flag, (value, _) in own.items()}
-        asked, given.data_dir = said["precision"], given.data_dir or "data"
-        given.precision = precision_that_runs(asked, places["accelerator"], said["sharded"])
-        vars(given).update(save_model=given.save_model or f"models/{name}.pt", compile_mode=said["compile_mode"])
-        vars(given).update(checkpoint_dir_is_default=not given.checkpoint_dir, precision_asked=asked)  # before the next
+        given.precision_asked, given.compile_mode = said["precision"], said["compile_mode"]
+        given.precision = precision_that_runs(said["precision"], places["accelerator"], said["sharded"])
+        given.data_dir, given.save_model = given.data_dir or "data", given.save_model or f"models/{name}.pt"
+        given.checkpoint_dir_is_default = not given.checkpoint_dir
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
         if self.check and (wrong := self.check(given)):  # every setting but as_found, which comes last
@@ -387,7 +391,7 @@ class LessonParser(Parser):
         # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
         # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-        if given.precision != asked:
+        if given.precision != given.precision_asked:
             os.environ["LT_PRECISION"] = given.precision  # read by the lesson's Fabric(...)
         given.as_found = as_found
         return given
@@ -446,7 +450,7 @@ def place_processes(given, parser):
     if accelerator == "auto" and cuda_count == 0 and not given.smoke:
         hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
         cpu = f"A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
-        problem = no_gpu(cpu) or f"no CUDA GPU found. {cpu}"
+        problem = no_gpu_line(cpu) or f"no CUDA GPU found. {cpu}"
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
     default_devices = 1 if devices is None else min(devices, 2) if given.smoke and accelerator == "cpu" else devices
@@ -456,10 +460,13 @@ def place_processes(given, parser):
         asked = f"--devices {count}" if devices else "--accelerator cuda"
         if not cuda_count:
             none = f"asked for {count} GPU(s) per machine ({asked}) but this machine has 0."
-            problem = no_gpu(none[0].upper() + none[1:]) or none
+            problem = no_gpu_line(none[0].upper() + none[1:]) or none
         else:
             flags = flags_for(started_flags(), cuda_count, group, parser.flag("tensor_parallel", None))
-            problem = fewer(count, cuda_count, asked, invoked(*flags, *(["--resume"] if given.resume else [])))
+            command = invoked(*flags, *(["--resume"] if given.resume else []))
+            problem = fewer_gpus_line(count, cuda_count, asked, command)
+    if accelerator == "cuda" and cuda_count and not problem:
+        problem = no_kernels_line()
     cores = os.cpu_count() or 1
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
@@ -473,6 +480,8 @@ def place_processes(given, parser):
 
 
 def settle_sizes(given, parser, kind, places):
+    """The epochs, batch, steps and micro-batches, checked against each other and the data; a smoke run's word on
+    its batch; and the defaults the run's name is against."""
     shape, micro, replicas = parser.shape, given.micro_batches, places["data_parallel"]
     default_epochs = 1 if given.synthetic else shape["smoke_epochs"] if given.smoke else shape["epochs"]
     max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
@@ -507,7 +516,7 @@ def check_launch(devices, num_nodes, takes_devices):
     env, one = os.environ, "" if takes_devices else " (one process)"
     asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
     job, problem = env.get("SLURM_JOB_NAME"), None
-    if "SLURM_NTASKS" in env and job not in INTERACTIVE:
+    if "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
         per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
         if "SLURM_STEP_ID" not in env and ntasks > 1:
@@ -528,7 +537,7 @@ def check_launch(devices, num_nodes, takes_devices):
     elif num_nodes > 1 and "NODE_RANK" not in env:
         launcher = "srun in a SLURM job, or torchrun on each machine (README: Running on several machines)"
         problem = f"--num-nodes {num_nodes}: processes on other machines need a launcher: {launcher}."
-        if job in INTERACTIVE:
+        if job in SLURM_INTERACTIVE_JOBS:
             problem += f" Inside `srun --pty bash` (SLURM job name {job!r}) Lightning does not use SLURM:"
             problem += " submit the job script with sbatch instead."
     if problem and int(env.get("SLURM_PROCID", env.get("RANK", "0"))) == 0:

@@ -77,7 +77,30 @@ def usable_gpus():
     return count if count and cuda_starts() else 0
 
 
-def no_gpu(then):
+def no_kernels_line():
+    """Where a GPU torch uses has no kernels in this build (none compiled for its architecture: the CUDA 13.0 build of
+    torch 2.14 carries sm_75, Turing, to sm_120), the line that says so; else None (torch.cuda.get_arch_list)."""
+    import torch
+
+    archs = torch.cuda.get_arch_list()
+    for index in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(index)
+        if archs and not any(has_kernels(arch, major, minor) for arch in archs):
+            gpu = f"{torch.cuda.get_device_name(index)} (compute capability {major}.{minor})"
+            carries = f"it carries {', '.join(archs)}: install a build that does (docs/gpu-setup.md)"
+            return f"this torch {torch.__version__} has no kernels for {gpu}; {carries}."
+    return None
+
+
+def has_kernels(arch, major, minor):
+    """Whether `arch` (sm_86, compute_90) runs on a GPU of that capability: a binary of its major and a minor at most
+    its, or PTX of an architecture at most its, which the driver compiles for it."""
+    kind, number = arch.split("_")[0], re.sub(r"\D", "", arch.split("_")[1])
+    built = (int(number[:-1]), int(number[-1]))
+    return built[0] == major and built[1] <= minor if kind == "sm" else built <= (major, minor)
+
+
+def no_gpu_line(then):
     """Where torch sees no GPU, the line that says why and what to do (`then`: the caller's way on a CPU, where
     CUDA_VISIBLE_DEVICES hides the GPUs); None where nvidia-smi lists none, fails or is absent."""
     gpus, ids = listed(), os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -85,10 +108,10 @@ def no_gpu(then):
     if gpus and not chosen:
         hides = f"CUDA_VISIBLE_DEVICES={ids!r} {'hides' if ids in ('', '-1') else 'names none of'}"
         return f"no CUDA GPU found: {hides} the {len(gpus)} GPU(s) nvidia-smi lists (unset it to use them). {then}"
-    return unusable(chosen) if chosen else None
+    return unusable_gpu_line(chosen) if chosen else None
 
 
-def unusable(gpus):
+def unusable_gpu_line(gpus):
     """The line for GPUs that nvidia-smi lists and torch does not see: the build that runs on the driver where this
     one does not, the driver where none does, or the driver and the machine where this build runs."""
     import torch
@@ -127,7 +150,7 @@ def unusable(gpus):
     return f"{seen}: {cure} (docs/gpu-setup.md)."
 
 
-def fewer(count, has, asked, command):
+def fewer_gpus_line(count, has, asked, command):
     """Where torch sees `has` GPUs, fewer than the `count` a run asks for (by `asked`): the line, with the `command`
     that runs on those it sees; CUDA_VISIBLE_DEVICES named where it shows torch fewer than nvidia-smi lists."""
     ids, why = os.environ.get("CUDA_VISIBLE_DEVICES"), f"this machine has {has}"

@@ -21,7 +21,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from run_keeping.config import EXIT_ON_SIGNAL, INTERACTIVE, VITS, WARMUP_STEPS, device_name, fail, fallback_line
+from run_keeping.config import EXIT_ON_SIGNAL, SLURM_INTERACTIVE_JOBS, VITS, WARMUP_STEPS, device_name, fail
+from run_keeping.config import fallback_line
 from run_keeping.config import PROCESS_END, end_process, invoked, on_signals, resume_command, started_flags
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
@@ -605,7 +606,7 @@ def opening_line(fabric, rank, world_size):
         by = f"SLURM (job {env.get('SLURM_JOB_ID')}, srun task {env.get('SLURM_PROCID')})"
     elif cluster == "TorchElasticEnvironment":
         by = f"torchrun (node {env.get('GROUP_RANK', '0')}, local rank {env.get('LOCAL_RANK')})"
-    if env.get("SLURM_JOB_NAME") in INTERACTIVE and cluster != "SLURMEnvironment":
+    if env.get("SLURM_JOB_NAME") in SLURM_INTERACTIVE_JOBS and cluster != "SLURMEnvironment":
         job, name = env.get("SLURM_JOB_ID"), env["SLURM_JOB_NAME"]
         by = (by or "you") + f", inside SLURM job {job}, whose name {name!r} makes Lightning ignore SLURM"
     return f"Process {rank} of {world_size}, started by {by}." if by else "One process, started without a launcher."

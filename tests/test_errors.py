@@ -252,13 +252,13 @@ def test_a_gpu_torch_cannot_use_is_said_with_the_build_that_fits(driver, build, 
     hidden on purpose (CUDA_VISIBLE_DEVICES empty) are not the build's doing."""
     import torch
     from gpu_machine.machine import stand_in
-    from run_keeping.gpu import no_gpu
+    from run_keeping.gpu import no_gpu_line
     stand_in(monkeypatch, f"1 x NVIDIA H100 80GB HBM3, driver {driver}", sees="none", build=build)
     label = "CPU build" if build == "cpu" else f"CUDA {build} build"
-    assert no_gpu("ON A CPU") == (f"nvidia-smi sees NVIDIA H100 80GB HBM3 (driver {driver}), but this torch "
+    assert no_gpu_line("ON A CPU") == (f"nvidia-smi sees NVIDIA H100 80GB HBM3 (driver {driver}), but this torch "
                                   f"{torch.__version__} ({label}) cannot use it: {cure} (docs/gpu-setup.md).")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert no_gpu("ON A CPU") == ("no CUDA GPU found: CUDA_VISIBLE_DEVICES='' hides the 1 GPU(s) nvidia-smi lists "
+    assert no_gpu_line("ON A CPU") == ("no CUDA GPU found: CUDA_VISIBLE_DEVICES='' hides the 1 GPU(s) nvidia-smi lists "
                                   "(unset it to use them). ON A CPU")
 
 

@@ -150,7 +150,9 @@ HAND = [  # (machine, torch sees, build, CUDA_VISIBLE_DEVICES, script, flags, fr
     (f"1 x {H100}, driver 450.80.01", "all", "11.8", None, "04_fabric-vit-mixed-precision.py", [],
      "the driver is older than any torch build runs on (CUDA 13.0 from 580.65.06, CUDA 12.8 from 525.60.13, CUDA 11.8 "
      "from 450.80.02): update the NVIDIA driver (docs/gpu-setup.md)."),
-    ("1 x NVIDIA B200, driver 575.57.08", "all", "12.6", None, "04_fabric-vit-mixed-precision.py", [], None),
+    ("1 x NVIDIA B200, driver 575.57.08", "all", "12.6", None, "04_fabric-vit-mixed-precision.py", [],
+     "has no kernels for NVIDIA B200 (compute capability 10.0); it carries sm_50, sm_60, sm_70, sm_75, sm_80, sm_86, "
+     "sm_90: install a build that does"),
     ("1 x NVIDIA B200, driver 575.57.08", "all", "cpu", None, "04_fabric-vit-mixed-precision.py", [],
      "a CPU build uses no GPU; " + install("12.8", "cu128")),
     ("4 x NVIDIA B200, driver 575.57.08", "all", "13.0", None, "05_fabric-vit-mixed-ddp.py", [],
@@ -167,6 +169,9 @@ HAND = [  # (machine, torch sees, build, CUDA_VISIBLE_DEVICES, script, flags, fr
     (f"4 x {H100}, driver 580.82.07", "all", "13.0", "", "05_fabric-vit-mixed-ddp.py", ["--accelerator", "cuda"],
      "hides the 4 GPU(s) nvidia-smi lists (unset it to use them). Asked for 4 GPU(s) per machine (--devices 4)"),
     ("no driver", "all", "13.0", None, "04_fabric-vit-mixed-precision.py", [], NO_GPU),
+    ("1 x Tesla V100-SXM2-16GB, driver 580.82.07", "all", "13.0", None, "04_fabric-vit-mixed-precision.py", [],
+     "has no kernels for Tesla V100-SXM2-16GB (compute capability 7.0); it carries sm_75, sm_80, sm_86, sm_90, sm_100,"),
+    ("1 x Tesla V100-SXM2-16GB, driver 580.82.07", "all", "12.6", None, "04_fabric-vit-mixed-precision.py", [], None),
     ("0", "all", "13.0", None, "06_fabric-vit-mixed-fsdp.py", ["--accelerator", "cuda"],
      "asked for 4 GPU(s) per machine (--devices 4) but this machine has 0."),
 ]

@@ -28,6 +28,11 @@ DRIVER = "570.124.06"
 DRIVER_CUDA = {450: "11.0", 460: "11.2", 470: "11.4", 510: "11.6", 515: "11.7", 520: "11.8", 525: "12.0", 530: "12.1",
                535: "12.2", 545: "12.3", 550: "12.4", 555: "12.5", 560: "12.6", 565: "12.7", 570: "12.8", 575: "12.9",
                580: "13.0"}
+# The architectures each CUDA build of torch carries kernels for: 13.0's read off torch 2.14.1+cu130 here
+# (torch._C._cuda_getArchFlags); the others as the stand-in's assumption, wide enough for every GPU it lists.
+ARCHS = {"13.0": ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]}
+ARCHS |= {"12.8": ARCHS["13.0"], "12.6": ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]}
+ARCHS |= {"11.8": ARCHS["12.6"]}
 COMPUTE_CAP_FROM = 510  # nvidia-smi knows the compute_cap field from this driver branch on
 # The oldest Linux driver a build of each CUDA major runs on (NVIDIA's minor-version compatibility: CUDA Toolkit
 # release notes, table 3), the machine's own fact, apart from run_keeping/gpu.py's, which the tests hold to it; a
@@ -193,6 +198,7 @@ def stand_in(monkeypatch, description, sees="all", build=None):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: bool(counted()))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(counted()))
     monkeypatch.setattr(torch.cuda, "init", init)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ARCHS.get(torch.version.cuda or "", []) if seen() else [])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: gpu(device)["name"])
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: version(gpu(device)["cap"])[:2])
