@@ -345,9 +345,8 @@ class LessonParser(Parser):
             raise
 
     def settle(self, given, as_found):
-        """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go
-        together, the places and sizes, the lesson's own relation (check=), the machine, the places the run
-        writes, a prompt; then what it sets for the run (a warnings filter, LT_PRECISION), to be put back."""
+        """`given` (argparse's values) made the run's settings: flags that do not go together refused, the places
+        and sizes, the run's name and files; then what the run cannot do is refused, and prepared (prepare)."""
         said = read_script(sys.argv[0])
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
         given_data = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
@@ -374,6 +373,11 @@ class LessonParser(Parser):
         given.checkpoint_dir_is_default = not given.checkpoint_dir
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
+        return self.prepare(given, kind, machine, as_found)
+
+    def prepare(self, given, kind, machine, as_found):
+        """Refused in this order: the lesson's own relation (check=), the `machine`'s refusal, places the run
+        cannot write, a prompt; then what the run sets (a warnings filter, LT_PRECISION), put back as it ends."""
         if self.check and (wrong := self.check(given)):  # every setting but as_found, which comes last
             self.error(wrong)
         if machine:

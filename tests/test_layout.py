@@ -141,11 +141,12 @@ def private_names(path):
 
 # What a lesson's run may read: at most this many of the project's files and lines, besides
 # parallelize.py, which only the sharded lessons import. A guard against growth, not a target: from 1,200
-# lines in 5 files it took 400 and gpu.py for what a reader should not have to work out: the interpreter
+# lines in 5 files it took 500 and gpu.py for what a reader should not have to work out: the interpreter
 # put back however a run ends (config.AsFound), the settings declared in one place (Settings, and the
 # keeper's state in __init__), a lesson's flags in argparse's groups, the end of a run of processes
-# (met, bounded, interruptible, ended by os._exit), the GPU machine's one line (gpu.py), no line over 120.
-RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 6, 1650, ROOT / "parallelize.py"
+# (met, bounded, interruptible, ended by os._exit), the GPU machine's one line (gpu.py: the build, the driver,
+# the kernels, the count), the tools' run put back too, no line over 120.
+RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 6, 1700, ROOT / "parallelize.py"
 
 
 def test_what_a_lesson_runs_on_is_small_formatted_and_public():
