@@ -180,8 +180,10 @@ HAND = [  # (machine, torch sees, build, CUDA_VISIBLE_DEVICES, script, flags, fr
 @pytest.mark.parametrize("description, sees, build, visible, script, flags, fragment", HAND)
 def test_a_machine_written_by_hand_gets_its_line(description, sees, build, visible, script, flags, fragment,
                                                   monkeypatch, capsys):
-    """Each row by hand, parsed as the script parses it, its nvidia-smi the stand-in's own process: the fragment in
-    the one line, exit 2 (None: the run goes on, on the GPUs)."""
+    """Each row by hand, parsed as the script parses it, its nvidia-smi the stand-in's answer (its own process:
+    the end-to-end sample below): the fragment in the one line, exit 2 (None: the run goes on, on the GPUs)."""
+    from run_keeping import gpu
+    monkeypatch.setattr(gpu, "nvidia_smi", in_process_smi)
     stand_in(monkeypatch, description, sees, build)
     if visible is not None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)

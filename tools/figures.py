@@ -201,8 +201,9 @@ def suite_time():
     where = "in a virtual environment, " if full.get("install") == "venv" else ""
     green = sum(not r.get("failed") and not r.get("errors") for r in same)
     series = f"; {green} of {len(same)} runs at that commit green, in {', '.join(minutes(r) for r in same)}" if len(same) > 1 else ""
+    cache = "as an earlier run left it" if full.get("compile_cache") == "warm" else "empty"
     return (f"The whole suite: {full['tests']} tests in {minutes(full)} ({outcome}{series}), the quick tier in "
-            f"{quick['seconds']:.0f} s, {where}from a clean clone with torch.compile's cache empty, {run_machine(full)}, "
+            f"{quick['seconds']:.0f} s, {where}from a clean clone with torch.compile's cache {cache}, {run_machine(full)}, "
             f"{full['timestamp'][:10]} (`reference/test-suite-runs.jsonl`).")
 
 
