@@ -22,7 +22,7 @@ from benchmarks import memory, peaks, throughput
 from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range, processes_of
 from benchmarks.reports import chart_command, write_report
 from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, tool_run, whole_number
-from run_keeping.gpu import no_gpu_line, usable_gpus
+from run_keeping.gpu import no_gpu_line, no_kernels_line, usable_gpus
 
 
 def parse_args(argv=None):
@@ -144,6 +144,8 @@ def main(argv=None):
         cpu = "Try python benchmark.py --smoke (the small ViT), or add --accelerator cpu to insist."
         fail(no_gpu_line(f"Without --smoke this measures ViT-B/16 at 224, hours on a CPU. {cpu}")
              or f"no CUDA GPU found: without --smoke this measures ViT-B/16 at 224, hours on a CPU. {cpu}")
+    if args.accelerator == "cuda" and (line := no_kernels_line()):  # a GPU this build has no kernels for
+        fail(line)
     if args.memory:
         text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else memory.memory_report(args)
     else:

@@ -296,7 +296,7 @@ def main(argv=None):
     """The check: every stage of plan() in order. Exit 0, 2 (no GPU without --smoke) or 6 (some
     configurations failed)."""
     from run_keeping.config import fail
-    from run_keeping.gpu import no_gpu_line
+    from run_keeping.gpu import no_gpu_line, no_kernels_line
     args = parse_args(argv)
     check = Check(args)
     if args.plan:
@@ -305,6 +305,8 @@ def main(argv=None):
     if check.gpus == 0 and not args.smoke:  # the lessons' line where nvidia-smi lists a GPU torch does not see
         cpu = "On a CPU, run the same check at smoke size: bash gpu_check.sh --smoke"
         fail(no_gpu_line(cpu) or f"no CUDA GPU found (torch sees none). {cpu}")
+    if check.gpus and not args.smoke and (line := no_kernels_line()):  # a GPU this build has no kernels for
+        fail(line)
     check.out.mkdir(parents=True, exist_ok=True)
     check.write()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

@@ -75,6 +75,7 @@ def tool_run():
     """A tool's run (08, benchmark.py, plot_results.py, make_smoke_weights.py): Ctrl-C and SIGTERM end it in one
     line, and it leaves the interpreter as it found it, however it ends."""
     as_found = AsFound()
+    as_found.moment = ""  # a tool may have written its files: the line says no more than the signal
     on_signals(as_found.stop_while_starting)
     try:
         yield
@@ -88,16 +89,17 @@ def is_interactive():
 
 
 class AsFound:
-    """What a run changes in the interpreter, as parse_args found it, put back by put_back() however the run ends
-    (RunKeeper's exit, or a refusal before it): Ctrl-C's and SIGTERM's handlers, the environment (LT_PRECISION,
-    the variables Lightning's launcher sets: MASTER_PORT, WORLD_SIZE, OMP_NUM_THREADS...), the warnings filters
-    and torch's threads (that launcher gives each process its share of the cores)."""
+    """What a run changes in the interpreter, as parse_args (or tool_run) found it, put back by put_back() however
+    the run ends (RunKeeper's exit, a refusal before it, a tool's end): Ctrl-C's and SIGTERM's handlers, the
+    environment (LT_PRECISION, the variables Lightning's launcher sets: MASTER_PORT, WORLD_SIZE, OMP_NUM_THREADS...),
+    the warnings filters and torch's threads (that launcher gives each process its share of the cores)."""
 
     def __init__(self):
         torch = sys.modules.get("torch")  # a lesson has imported it; a tool may not need it
         self.handlers = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
         self.threads = torch.get_num_threads() if torch else None
         self.environ, self.restored = dict(os.environ), False
+        self.moment = " while starting; nothing was written"  # what the line says of when it came (tool_run: nothing)
         self.warnings = warnings.catch_warnings()  # the warnings module's own way to keep the filters and put them back
         self.warnings.__enter__()
 
@@ -117,9 +119,9 @@ class AsFound:
             atexit.register(on_signals, signal.SIG_IGN)
 
     def stop_while_starting(self, signum, frame=None):
-        """Ctrl-C or SIGTERM from the parse to RunKeeper: one line, since nothing of the run exists yet to keep."""
+        """Ctrl-C or SIGTERM from the parse to RunKeeper (nothing of the run exists yet), or in a tool: one line."""
         name = signal.Signals(signum).name
-        print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}) while starting; nothing was written.", file=sys.stderr)
+        print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}){self.moment}.", file=sys.stderr)
         self.put_back(guard=True)
         raise SystemExit(EXIT_ON_SIGNAL[signum])
 
@@ -130,7 +132,7 @@ class AsFound:
 # interpreter's teardown. There the process group outlives destroy_process_group (the model holds it: DDP's
 # reducer, FSDP2's mesh), and a gloo thread letting go of a collective's tensor aborted the process ("terminate
 # called without an active exception": pytorch/pytorch#190489). Lightning starts no such processes from a prompt
-# (end_as_multi_process_run refuses there), so IPython, a notebook and `python -i` never meet this.
+# (refuse_at_a_prompt refuses there), so IPython, a notebook and `python -i` never meet this.
 PROCESS_END: dict = {"registered": False, "code": None}
 
 
@@ -336,7 +338,7 @@ class LessonParser(Parser):
     # argparse's parse_args returns a Namespace; this one returns Settings, a Namespace
     def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]
         """The settings (Settings), or one line and exit 2; the interpreter as found where it refuses."""
-        as_found = AsFound()
+        as_found, PROCESS_END["code"] = AsFound(), None  # a refusal ends this process as Python ends
         on_signals(as_found.stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
         try:
             return self.settle(super().parse_args(args, namespace or Settings()), as_found)
@@ -437,8 +439,7 @@ def refuse_at_a_prompt():
 
 def register_process_end():
     """The exit handler that ends a lesson's processes (end_multi_process_run), once an interpreter; a run's code
-    from this parse on (a refused one ends as Python ends)."""
-    PROCESS_END["code"] = None
+    set by RunKeeper as the run ends (parse_args clears it: a refused run ends as Python ends)."""
     if not PROCESS_END["registered"]:
         PROCESS_END["registered"] = True
         atexit.register(end_multi_process_run)

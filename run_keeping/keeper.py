@@ -86,9 +86,15 @@ class RunKeeper:
         on_signals(self.on_signal)  # Ctrl-C and SIGTERM: KeyboardInterrupt wherever the run is
         try:  # a collective: every process takes part, and all stop where one cannot go on
             restart = self.agree(self.claim_folder)
-        except SystemExit as refused:  # refused: nothing of this run is left behind, no lock, no folder
+        except BaseException as stopped:  # refused, interrupted or failed: no lock or folder left, all handed back
             self.let_go()
-            self.end(refused.code if isinstance(refused.code, int) else 1)
+            if isinstance(stopped, KeyboardInterrupt):
+                name = signal.Signals(self.signum).name
+                self.say(f"\n{args.script}: interrupted ({name}) while starting; nothing was written.", to=sys.stderr)
+                self.end(EXIT_ON_SIGNAL[self.signum])
+                raise SystemExit(EXIT_ON_SIGNAL[self.signum]) from None
+            code = stopped.code if isinstance(stopped, SystemExit) else None
+            self.end(code if isinstance(code, int) else 1, None if isinstance(stopped, SystemExit) else stopped)
             raise
         self.resuming = args.resume or bool(restart)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
@@ -114,8 +120,11 @@ class RunKeeper:
             code = error.code if isinstance(error.code, int) else 1  # its line is said
         elif exc_type:
             message, code = explain(error, self.args, self.rank, self.world_size, self.last) or (None, None)
-            if code is None and self.world_size > 1:  # the others, stopped by its leaving, name this process
+            own = self.world_size > 1 and not lost_peer(self.world_size, error)  # this process's own error
+            if own:  # the others, stopped by its leaving, name this process
                 note_failure(self.folder, self.rank, self.world_size)
+            if own and message and self.rank:  # said by the process that met it (process 0 speaks for the rest)
+                print(f"\n{self.args.script}: process {self.rank}: {message}", file=sys.stderr, flush=True)
         if exc_type is None and self.world_size > 1:  # every process finished: the collectives in flight end
             code, message = self.meet_at_the_end()
         if not code and self.deferred:  # a signal while the finished run wrote its files, or since

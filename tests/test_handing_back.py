@@ -34,6 +34,7 @@ print("AFTER A REFUSAL", state() == found)
 print("AFTER 05", state() == found)
 %run {fabric} {short}
 print("AFTER 03", state() == found, "LT_PRECISION" in os.environ)
+print("PYTHON'S CTRL-C", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
 print("PRECISIONS", [json.loads(line)["precision"] for line in open("results/runs.jsonl")])
 """
 
@@ -51,6 +52,7 @@ def test_ipython_and_python_i_get_control_back(tmp_path):
     out = ipython.stdout + ipython.stderr
     assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
     assert "AFTER A REFUSAL True" in out and "AFTER 05 True" in out and "AFTER 03 True False" in out, out[-3000:]
+    assert "PYTHON'S CTRL-C True" in out, out[-3000:]
     assert ("05_fabric-vit-mixed-ddp.py: error: this lesson's processes are started by Lightning's subprocess "
             f"launcher, which cannot run at a prompt: run it from a shell: python {ROOT / '05_fabric-vit-mixed-ddp.py'} --smoke") in out
     assert f"PRECISIONS ['32-true', '{'bf16-mixed' if native_bf16() else '32-true'}']" in out, out[-3000:]

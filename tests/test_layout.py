@@ -94,11 +94,11 @@ def test_each_helper_and_constant_is_defined_once():
 
 
 def test_no_class_or_function_is_long():
-    """Shared code: a class within 420 lines (RunKeeper, the keeper's one: its state declared in one place costs
-    30, its lines kept within 120 columns 20 more), functions within 50;
+    """Shared code: a class within 430 lines (RunKeeper, the keeper's one: its state declared in one place costs
+    30, its lines kept within 120 columns 20 more, its start handed back however it stops 10), functions within 50;
     the tools' functions within 60."""
     for name, path, kind, lines in definitions(SHARED):
-        limit = 420 if kind == "ClassDef" else 50
+        limit = 430 if kind == "ClassDef" else 50
         assert lines <= limit, f"{path.name}: {name} is {lines} lines"
     tools = [*TOOLS, *sorted((ROOT / "tools").glob("*.py")), ROOT / "08_load-and-evaluate.py"]
     for path in tools:
