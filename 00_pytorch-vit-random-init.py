@@ -64,7 +64,8 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=10)
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # checkpoints, --resume, Ctrl-C, one line for a known error, the record: run_keeping/keeper.py
+    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (Fabric's precision, Ctrl-C, the checkpoint folder), undone as the block ends: run_keeping/keeper.py
+        keeper.start()  # takes the checkpoint folder and says how the run started
         device = torch.device(args.accelerator)
         print(watermark(packages="torch,torchvision,lightning", python=True))
         torch.manual_seed(args.seed)
@@ -88,11 +89,11 @@ if __name__ == "__main__":
         #########################################
         ### 3 Finetuning
         #########################################
-        keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+        keeper.resume(model, optimizer, train_loader)  # before training: what each checkpoint keeps; with --resume, restored from the last one
         train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper)
 
         #########################################
         ### 4 Evaluation
         #########################################
         test_acc = evaluate(model, test_loader, device)
-        keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model
+        keeper.finish(train_time, test_acc, model)  # prints the time (less the checkpoint writes), memory, test accuracy; saves the model and the record

@@ -66,13 +66,14 @@ def train(num_epochs, model, optimizer, scheduler, train_loader, val_loader, dev
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3, devices=4)  # [05] instead of lesson_parser(epochs=3): four devices
     args = parser.parse_args()
-    fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
-        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-        precision="bf16-mixed",  # [04] new: mixed precision
-        strategy=L.fabric.strategies.ModelParallelStrategy(parallelize.fsdp_each_encoder_block, data_parallel_size=args.world_size, tensor_parallel_size=1),  # [06] instead of "ddp": FSDP2
-    )
-    fabric.launch()  # [03] new: starts the other processes, if any
-    with RunKeeper(args, fabric) as keeper:  # [03] instead of RunKeeper(args): it records and checkpoints each of Fabric's processes
+    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (Fabric's precision, Ctrl-C, the checkpoint folder), undone as the block ends: run_keeping/keeper.py
+        fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
+            accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+            precision="bf16-mixed",  # [04] new: mixed precision (32-true where the device has no bfloat16: run_keeping/device.py, precision_that_runs)
+            strategy=L.fabric.strategies.ModelParallelStrategy(parallelize.fsdp_each_encoder_block, data_parallel_size=args.world_size, tensor_parallel_size=1),  # [06] instead of "ddp": FSDP2
+        )
+        fabric.launch()  # [03] new: starts the other processes, if any
+        keeper.start(fabric)  # [03] instead of keeper.start(): in each of Fabric's processes
         device = fabric.device  # [03] instead of torch.device(args.accelerator)
         fabric.print(watermark(packages="torch,torchvision,lightning", python=True))  # [03] instead of print: once per machine
         torch.manual_seed(args.seed)
@@ -101,11 +102,11 @@ if __name__ == "__main__":
         ### 3 Finetuning
         #########################################
         keeper.keep_in_checkpoints(scheduler)  # [07] new: its state goes in each checkpoint, and --resume restores it
-        keeper.resume(model, optimizer, train_loader)  # with --resume: from the last checkpoint
+        keeper.resume(model, optimizer, train_loader)  # before training: what each checkpoint keeps; with --resume, restored from the last one
         train_time = train(args.epochs, model, optimizer, scheduler, train_loader, val_loader, device, keeper, fabric)  # [07] instead of (model, optimizer, train_loader, ...)
 
         #########################################
         ### 4 Evaluation
         #########################################
         test_acc = evaluate(model, test_loader, device)
-        keeper.finish(train_time, test_acc, model)  # prints time, memory, test accuracy; saves the model
+        keeper.finish(train_time, test_acc, model)  # prints the time (less the checkpoint writes), memory, test accuracy; saves the model and the record

@@ -31,10 +31,10 @@ from run_keeping.config import MOST_WORKERS
 from run_keeping.config import Parser
 from run_keeping.config import check_path
 from run_keeping.config import fail
-from run_keeping.config import tool_run
 from run_keeping.config import whole_number
 from run_keeping.reading import load_model_file
 from run_keeping.reading import record_of
+from run_keeping.reading import tool_run
 from run_keeping.reading import whole
 
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")

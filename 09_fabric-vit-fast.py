@@ -126,7 +126,7 @@ def train(num_epochs, model, optimizer, scheduler, train_data, val_data, fabric,
 
 
 def parse_flags():
-    parser = lesson_parser(epochs=3, devices=1, batch_size=128, loader=False)
+    parser = lesson_parser(epochs=3, devices=1, batch_size=128, num_workers_flag=False)
     parser.add_argument("--compile-on-cpu", action="store_true", help="on a CPU too, take the path a GPU takes: "
                         "torch.compile and the fused AdamW")
     return parser.parse_args()
@@ -140,10 +140,11 @@ def make_optimizer(model, args, fused):
 
 if __name__ == "__main__":
     args = parse_flags()
-    fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-                      precision="bf16-mixed", strategy="ddp" if args.world_size > 1 else "auto")
-    fabric.launch()
-    with RunKeeper(args, fabric) as keeper:  # checkpoints, --resume, Ctrl-C, one line for a known error, the record
+    with RunKeeper(args) as keeper:  # owns what the run changes in this process and undoes it: run_keeping/keeper.py
+        fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                          precision="bf16-mixed", strategy="ddp" if args.world_size > 1 else "auto")
+        fabric.launch()
+        keeper.start(fabric)
         fabric.print(watermark(packages="torch,torchvision,lightning", python=True))
         torch.manual_seed(args.seed)
 

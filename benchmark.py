@@ -21,8 +21,9 @@ import time
 from benchmarks import memory, peaks, throughput
 from benchmarks.runs import SCRIPTS, SOME_FAILED, process_range, processes_of
 from benchmarks.reports import chart_command, write_report
-from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, tool_run, whole_number
-from run_keeping.gpu import no_gpu_line, no_kernels_line, usable_gpus
+from run_keeping.config import WARMUP_STEPS, Parser, check_path, fail, whole_number
+from run_keeping.reading import tool_run
+from run_keeping.device import cuda_gpus, no_gpu_line, unusable_gpu_line
 
 
 def parse_args(argv=None):
@@ -103,9 +104,11 @@ def settle(args, parser):
     if unknown:
         parser.error(f"--peak-tflops: {', '.join(unknown)} is no precision; one of {', '.join(peaks.UNIT)}")
     args.chose_device = args.accelerator == "auto"
+    on_the_cpu = args.accelerator == "cpu" or (args.smoke and args.chose_device)  # CUDA not started
+    args.gpus, args.torch_says = (0, None) if on_the_cpu else cuda_gpus()
     if args.accelerator == "auto":
-        args.accelerator = "cuda" if not args.smoke and usable_gpus() else "cpu"  # --smoke: as the scripts
-    gpus = usable_gpus() if args.accelerator == "cuda" else None
+        args.accelerator = "cuda" if not args.smoke and args.gpus else "cpu"  # --smoke: as the scripts
+    gpus = args.gpus if args.accelerator == "cuda" else None
     args.skipped = [f"{script} needs {needed} GPUs and this machine has {gpus}" for script, _ in args.runs
                     if gpus is not None and (needed := processes_of(script, args.devices)) > gpus]
     args.runs = [(s, b) for s, b in args.runs if gpus is None or processes_of(s, args.devices) <= gpus]
@@ -140,12 +143,11 @@ def main(argv=None):
         return memory.memory_run(args)
     if args.peaks:
         return print("\n".join(peaks.peaks_table()))
-    if args.chose_device and args.accelerator == "cpu" and not (args.smoke or args.memory):  # the scripts' lines
+    if args.torch_says and (args.accelerator == "cuda" or not (args.smoke or args.memory)):  # the scripts' lines
+        fail(unusable_gpu_line(args.torch_says))
+    if args.chose_device and args.accelerator == "cpu" and not (args.smoke or args.memory):
         cpu = "Try python benchmark.py --smoke (the small ViT), or add --accelerator cpu to insist."
-        fail(no_gpu_line(f"Without --smoke this measures ViT-B/16 at 224, hours on a CPU. {cpu}")
-             or f"no CUDA GPU found: without --smoke this measures ViT-B/16 at 224, hours on a CPU. {cpu}")
-    if args.accelerator == "cuda" and (line := no_kernels_line()):  # a GPU this build has no kernels for
-        fail(line)
+        fail(no_gpu_line(f"Without --smoke this measures ViT-B/16 at 224, hours on a CPU. {cpu}"))
     if args.memory:
         text, chart, failed = memory.talk_memory(args) if args.talk or args.sequel else memory.memory_report(args)
     else:

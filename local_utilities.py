@@ -1,7 +1,6 @@
-"""What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the
-talk, and the offline --smoke and --synthetic stand-ins), the model and evaluation (the sharded
-lessons' parallelize functions are in parallelize.py). The command line, records, checkpoints and
---resume are in run_keeping/."""
+"""What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the talk, and the offline
+--smoke and --synthetic stand-ins), the model and evaluation (the sharded lessons' parallelize functions are in
+parallelize.py). The command line, records, checkpoints and --resume are in run_keeping/."""
 
 import os
 import shutil
@@ -23,13 +22,11 @@ SMOKE_SPLIT = (240, 360)  # of scikit-learn's 1,797 digits, held out for validat
 SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
 
 
-def lesson_parser(epochs, devices=None, batch_size=16, loader=True, check=None):
-    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes.
-    `devices`: the processes per machine of a lesson whose strategy runs several (None: one, and no --devices or
-    --num-nodes); `check(args)`: a lesson's relation to what the run derives, a message where it fails, else None
-    (docs/adding-a-lesson.md)."""
+def lesson_parser(epochs, devices=None, batch_size=16, num_workers_flag=True, check=None):
+    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes. `devices`:
+    the processes per machine a lesson runs (None: one); `check(args)`: its own relation (docs/adding-a-lesson.md)."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
-    return LessonParser(epochs, devices, batch_size, loader, train_images=images, check=check)
+    return LessonParser(epochs, devices, batch_size, num_workers_flag, train_images=images, check=check)
 
 
 def talk_transforms():
@@ -59,8 +56,7 @@ def get_dataloaders(args):
 
 
 def cifar10_datasets(data_dir, download=True):
-    """torchvision's CIFAR10 in data_dir: 45,000 train / 5,000 validation (the last 5,000
-    training images) / 10,000 test, all with the talk's transform."""
+    """torchvision's CIFAR10 in data_dir, the talk's transform: 45,000 train / last 5,000 validation / 10,000 test."""
     from torchvision.datasets import CIFAR10
 
     where = os.path.abspath(data_dir)
@@ -68,7 +64,9 @@ def cifar10_datasets(data_dir, download=True):
     try:
         train_full = CIFAR10(root=data_dir, train=True, transform=talk_transforms(), download=download)
         test = CIFAR10(root=data_dir, train=False, transform=talk_transforms(), download=download)
-    except RuntimeError:  # torchvision: "Dataset not found or corrupted"
+    except RuntimeError:  # torchvision: "Dataset not found or corrupted", "File not found or corrupted."
+        if download:
+            fail(f"CIFAR-10 in {where} is damaged: remove it, then run again to download {CIFAR10_URL}.")
         missing = f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given"
         fail(f"{missing}. Download {CIFAR10_URL}, unpack it there, or drop --no-download.")
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
@@ -77,20 +75,21 @@ def cifar10_datasets(data_dir, download=True):
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
         fail(f"CIFAR-10 is not in {where} and could not be downloaded ({why}). {fetch}.")
+    # CIFAR-10's 50,000: 45,000; a smaller CIFAR-10 of the same format (the tests') splits in the same proportion
     num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
 
 def digits_datasets():
-    """The --smoke data: scikit-learn's 1,797 8x8 digits, upscaled to 32x32 and 3 channels, in
-    [0, 1], split once and for all (independent of --seed) into train / val / test."""
+    """The --smoke data: scikit-learn's 1,797 8x8 digits as 32x32 RGB in [0, 1], split once (whatever --seed)."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     images = torch.nn.functional.interpolate(images, size=(SMOKE_IMAGE_SIZE,) * 2, mode="bilinear", align_corners=False)
     order = torch.from_numpy(np.random.RandomState(0).permutation(len(images)))
-    images, labels = images.clamp(0, 1).repeat(1, 3, 1, 1)[order], torch.tensor(digits.target, dtype=torch.long)[order]
+    images = images.clamp(0, 1).repeat(1, 3, 1, 1)[order]
+    labels = torch.tensor(digits.target, dtype=torch.long)[order]
     cuts = [SMOKE_TRAIN, SMOKE_TRAIN + SMOKE_SPLIT[0]]
     return tuple(TensorDataset(x, y) for x, y in zip(images.tensor_split(cuts), labels.tensor_split(cuts)))
 
@@ -100,15 +99,17 @@ def synthetic_datasets(args, device=None):
     evaluate. With a `device` (a GPU), one step's images are made there and cycled through, so no batch
     is collated from the CPU's memory and copied over: images/s is the model's, not the loader's."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
-    g, per_step = torch.Generator().manual_seed(args.seed), args.batch_size * args.data_parallel
+    g = torch.Generator().manual_seed(args.seed)
+    per_step = args.batch_size * args.data_parallel
 
     def make(n, held):  # n items, cycling through the `held` made
         images = torch.rand(held, 3, size, size, generator=g).to(device or "cpu")
         labels = torch.randint(0, NUM_CLASSES, (held,), generator=g).to(device or "cpu")
         return Subset(TensorDataset(images, labels), [i % held for i in range(n)])
 
-    train, each = args.max_steps * per_step, args.data_parallel  # to evaluate: one image a process
-    return make(train, train if device is None else per_step), make(each, each), make(each, each)
+    train_images = args.max_steps * per_step
+    each = args.data_parallel  # to evaluate: one image a process
+    return make(train_images, train_images if device is None else per_step), make(each, each), make(each, each)
 
 
 SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-digits.pt"
@@ -119,8 +120,8 @@ def smoke_vit():
     read the digits as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
     from torchvision.models.vision_transformer import VisionTransformer
 
-    size, classes = SMOKE_IMAGE_SIZE, NUM_CLASSES
-    return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=classes)
+    size = SMOKE_IMAGE_SIZE
+    return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)
 
 
 def build_vit(weights, args):

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from run_keeping.config import Parser, check_path, device_name, tool_run, whole_number
+from run_keeping.config import Parser, check_path, whole_number
+from run_keeping.device import device_name
+from run_keeping.reading import tool_run
 
 ROOT = Path(__file__).resolve().parent
 COMMITTED = ROOT / "smoke_weights" / "smoke-vit-printed-digits.pt"

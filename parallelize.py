@@ -2,9 +2,9 @@
 lessons, one concern each, as torchtitan keeps them: FSDP2, FSDP2 offloaded to the CPU, tensor
 parallelism then FSDP2."""
 
-import torch
+import os
 
-from run_keeping.config import native_bf16
+import torch
 
 
 def fsdp_each_encoder_block(model, device_mesh, offload=False):
@@ -12,15 +12,15 @@ def fsdp_each_encoder_block(model, device_mesh, offload=False):
     every process, then the root (embeddings, head). Parameters are gathered in bfloat16, as the
     talk's strategy="fsdp" with bf16-mixed did; gradients are reduced in float32, where Lightning's
     reduces them in bfloat16 (plugins/precision/fsdp.py): twice the talk's gradient traffic, for
-    the float32 sums DDP makes too. float32 throughout on a device without native bfloat16
-    (run_keeping/config.py says so). offload: see the next function."""
+    the float32 sums DDP makes too. float32 throughout where the run's precision is not a bfloat16
+    one: the precision that runs, which RunKeeper gives Fabric as LT_PRECISION (32-true on a device
+    without native bfloat16: run_keeping/device.py). offload: see the next function."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from torchvision.models.vision_transformer import EncoderBlock
 
     cuda = device_mesh.device_type == "cuda"
-    policy = MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16 if native_bf16(device_mesh.device_type) else None, reduce_dtype=torch.float32
-    )
+    bf16 = os.environ.get("LT_PRECISION", "32-true").startswith("bf16")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else None, reduce_dtype=torch.float32)
     place = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()  # OffloadPolicy(): none
     for module in [*(m for m in model.modules() if isinstance(m, EncoderBlock)), model]:
         fully_shard(module, mesh=device_mesh["data_parallel"], mp_policy=policy, offload_policy=place)

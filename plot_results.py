@@ -19,7 +19,8 @@ import textwrap
 from pathlib import Path
 
 from benchmarks.reports import chart_command
-from run_keeping.config import Parser, check_path, fail, tool_run
+from run_keeping.config import Parser, check_path, fail
+from run_keeping.reading import tool_run
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs, upgrade, whole
 

@@ -10,8 +10,12 @@ a whole report. A configuration that fails is a row saying why; the rest go on (
     python -m benchmarks.gpu_check --help   # what gpu_check.sh runs, with the suite on the path
 """
 import argparse
+import os
+import platform
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,10 +82,12 @@ class Check:
         self.started = time.monotonic()
         self.deadline = self.started + 60 * args.minutes - MARGIN_S
         self.out = Path(args.out)
+        self.torch_says = None
         if gpus is None:
-            from run_keeping.gpu import usable_gpus
-            gpus = usable_gpus()
-        self.gpus, self.gpu = gpus, gpu_line(args.smoke)
+            from run_keeping.device import cuda_gpus
+            gpus, self.torch_says = cuda_gpus()
+        self.gpus, self.gpu = gpus, gpu_line(args.smoke, gpus)
+        self.machine = [] if args.plan else machine_lines(gpus, self.torch_says)
         self.costs = {}    # kind: {key: [seconds of each run]}
         self.stages = []   # (name, title, state, text) of each stage done
         self.failed = 0
@@ -121,18 +127,65 @@ def compiles(script, size):
     return read_script(ROOT / script)["compile_mode"] is not None and (size == "full" or not conditional)
 
 
-def gpu_line(smoke):
+def gpu_line(smoke, gpus):
     """The GPU the check measures, CUDA's first (the first the scripts see), its name, driver and memory as
     nvidia-smi gives them, asked by the UUID torch gives it: nvidia-smi numbers the GPUs in PCI order, CUDA fastest
     first unless CUDA_DEVICE_ORDER=PCI_BUS_ID. At --smoke, or where torch sees no GPU, that none is used."""
     import torch
-    from run_keeping.gpu import nvidia_smi, usable_gpus
-    if smoke or not usable_gpus():
+    if smoke or not gpus:
         return "no NVIDIA GPU used: a CPU run"
     uuid = str(torch.cuda.get_device_properties(0).uuid)
     uuid = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-    listed = nvidia_smi("-i", uuid, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader") or ""
-    return listed.strip().split("\n")[0] or f"{torch.cuda.get_device_name(0)} (nvidia-smi does not list {uuid})"
+    listed, code = nvidia_smi("-i", uuid, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader")
+    listed = listed.strip().split("\n")[0] if code == 0 and listed else ""
+    return listed or f"{torch.cuda.get_device_name(0)} (nvidia-smi does not list {uuid})"
+
+
+def nvidia_smi(*args):
+    """(nvidia-smi's output, its exit code); (None, None) where there is none on PATH."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None, None
+    try:
+        proc = subprocess.run([smi, *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as err:
+        return str(err), None
+    return (proc.stdout + proc.stderr).strip(), proc.returncode
+
+
+def machine_lines(gpus, torch_says):
+    """What this machine has, each in its own tool's words: torch's build, what torch says as CUDA starts, the GPUs
+    nvidia-smi lists (and its MIG devices) with their driver, compute capability, MIG and compute modes, or
+    nvidia-smi's own error and exit code; the NVIDIA kernel module; CUDA_VISIBLE_DEVICES; and, where this torch keeps
+    it, which of PyTorch's CUDA builds carries kernels for which compute capabilities."""
+    import torch
+    if torch.version.cuda:
+        build = f"a CUDA {torch.version.cuda} build"
+    else:
+        build = f"a ROCm build (HIP {torch.version.hip})" if torch.version.hip else "a CPU build"
+    lines = [f"torch {torch.__version__}: {build}, with kernels for {' '.join(torch.cuda.get_arch_list()) or 'no GPU'}",
+             f"torch, as CUDA starts: {gpus} GPU(s) it can use" + (f"; it says: {torch_says}" if torch_says else "")]
+    for ask in (["-L"], ["--query-gpu=index,name,driver_version,compute_cap,mig.mode.current,compute_mode",
+                         "--format=csv"]):
+        out, code = nvidia_smi(*ask)
+        if out is None:
+            lines.append("nvidia-smi: none on PATH (no NVIDIA driver installed here)")
+            break
+        said = out.splitlines() or [""]
+        lines += [f"nvidia-smi {ask[0]}: {line}" for line in said[:-1]]
+        lines.append(f"nvidia-smi {ask[0]}: {said[-1]}" + (f" (exit {code})" if code else ""))
+        if code:
+            break
+    module = Path("/proc/driver/nvidia/version")  # the kernel module: "Open Kernel Module", or the proprietary one
+    if module.exists():
+        lines.append(f"NVIDIA kernel module: {' '.join(module.read_text().split(chr(10))[0].split())}")
+    lines.append(f"CUDA_VISIBLE_DEVICES: {os.environ.get('CUDA_VISIBLE_DEVICES', 'not set')}")
+    releases = getattr(torch.cuda, "PYTORCH_RELEASES_CODE_CC", {})  # torch's own table, where it has one
+    for cuda, by_arch in releases.items():
+        kept = sorted(by_arch.get(platform.machine().lower(), set()))
+        lines.append(f"PyTorch's CUDA {cuda} builds carry kernels for compute capabilities "
+                     f"{', '.join(f'{cc // 10}.{cc % 10}' for cc in kept)}")
+    return lines
 
 
 def stage_scripts(name):
@@ -275,7 +328,8 @@ def print_plan(args, gpus):
 def report_text(check, current=None):
     used = (time.monotonic() - check.started) / 60
     lines = [f"## GPU check, {datetime.now(timezone.utc):%Y-%m-%d}", "",
-             f"GPU (name, driver, memory): {check.gpu}; GPUs the scripts see: {check.gpus}",
+             f"GPU (name, driver, memory): {check.gpu}; GPUs the scripts see: {check.gpus}", "",
+             "The machine:", "", *(f"- {line}" for line in check.machine),
              f"Time: {used:.1f} of the {check.args.minutes} min allowed (--minutes); the stages in order of "
              "value, each run planned from what the runs before it cost (docs/benchmarks.md).", ""]
     for number, (name, title, state, text) in enumerate(check.stages, 1):
@@ -296,17 +350,17 @@ def main(argv=None):
     """The check: every stage of plan() in order. Exit 0, 2 (no GPU without --smoke) or 6 (some
     configurations failed)."""
     from run_keeping.config import fail
-    from run_keeping.gpu import no_gpu_line, no_kernels_line
+    from run_keeping.device import no_gpu_line, unusable_gpu_line
     args = parse_args(argv)
     check = Check(args)
     if args.plan:
         print(f"On {check.gpus or 1} GPU(s):")
         return print_plan(args, check.gpus or 1)
-    if check.gpus == 0 and not args.smoke:  # the lessons' line where nvidia-smi lists a GPU torch does not see
-        cpu = "On a CPU, run the same check at smoke size: bash gpu_check.sh --smoke"
-        fail(no_gpu_line(cpu) or f"no CUDA GPU found (torch sees none). {cpu}")
-    if check.gpus and not args.smoke and (line := no_kernels_line()):  # a GPU this build has no kernels for
-        fail(line)
+    print("\n".join(["The machine:", *(f"  {line}" for line in check.machine)]), flush=True)
+    if check.torch_says and not args.smoke:  # the lessons' line, after what the machine has
+        fail(unusable_gpu_line(check.torch_says, diagnose=False))
+    if check.gpus == 0 and not args.smoke:
+        fail(no_gpu_line("On a CPU, run the same check at smoke size: bash gpu_check.sh --smoke.", diagnose=False))
     check.out.mkdir(parents=True, exist_ok=True)
     check.write()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:

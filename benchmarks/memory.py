@@ -16,7 +16,8 @@ import torch
 from benchmarks.runs import (SCRIPTS, RunFailed, run_internal_mode, make_strategy, memory_env, process_range, run,
                              run_script, print_answer)
 from benchmarks.reports import fmt, markdown_table
-from run_keeping.config import VITS, device_name, native_bf16, read_script
+from run_keeping.config import VITS, read_script
+from run_keeping.device import device_name, native_bf16
 from run_keeping.reading import ROOT, lessons
 from run_keeping.record import append_record
 

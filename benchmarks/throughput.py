@@ -98,10 +98,11 @@ def bare_loop(args):
     spec, steps = json.loads(args.bare_loop), args.max_steps
     devices, micro = spec["processes"], spec["micro_batches"]
     strategy = make_strategy(spec["strategy"], devices, spec["tensor_parallel"])
+    os.environ["LT_PRECISION"] = spec["precision"]  # as the lesson's run had it: Fabric and parallelize.py read it
     fabric = L.Fabric(accelerator=args.accelerator, devices=devices,
                       precision=spec["precision"], strategy=strategy)
     fabric.launch()
-    if devices > 1 and "OMP_NUM_THREADS" not in os.environ:  # as RunKeeper shares the cores
+    if devices > 1 and "OMP_NUM_THREADS" not in os.environ:  # as Lightning's launcher shares the cores in a run
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // devices))
     torch.manual_seed(123)
     model = build_vit(None, argparse.Namespace(smoke=args.smoke, synthetic=True))

@@ -1,24 +1,24 @@
-"""A lesson's command line: the flags every lesson shares, then the lesson's own (argparse's add_argument,
-in the script); parse_args() refuses a bad value, an ignored flag, an unusable path or a launch that does
-not match in one line (exit 2), and adds what they decide. What the script's own text asks for (its
-precision, torch.compile mode and --help) is read from it (read_script): docs/run-keeping.md."""
+"""A lesson's command line: the flags every lesson shares, then the lesson's own, in argparse's words.
+
+parse_args() reads the flags, the machine and the checkpoint folder, refuses in one line (exit 2) what the run
+cannot do, and returns the run's settings (Settings). It sets nothing in the process (it starts CUDA's runtime to
+count the GPUs, which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py).
+docs/run-keeping.md"""
 
 import argparse
 import ast
-import atexit
-import contextlib
+import fcntl
 import json
-import logging
 import os
 import re
 import shlex
 import signal
 import sys
 import tempfile
-import warnings
+import textwrap
 from pathlib import Path
 
-from run_keeping.gpu import fewer_gpus_line, flags_for, no_gpu_line, no_kernels_line, usable_gpus
+from run_keeping.device import cuda_gpus, no_gpu_line, precision_that_runs, unusable_gpu_line
 
 SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
@@ -28,16 +28,15 @@ DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's 
 VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit: the talk's, the memory sequel's
 MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here has cores
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
-EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
-# The settings that name a run's checkpoint folder and model file where they differ from the
-# script's defaults, so runs of other settings never share them, with their spelling there; a
-# lesson's own flags follow as the flag and its value: --max-norm 0.5 as max-norm0.5.
+EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a run stopped by Ctrl-C, SIGTERM
+LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
+# The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
+SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
+# The settings that name a run's checkpoint folder and model file where they differ from the script's defaults, so
+# runs of other settings never share them, with their spelling there; a lesson's own flags follow as the flag and
+# its value: --max-norm 0.5 as max-norm0.5.
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
-# What a bf16 precision becomes where the device has no native bfloat16: on a GPU, bf16-mixed
-# becomes 16-mixed unless sharded (Fabric's ModelParallelStrategy takes no 16-mixed); otherwise
-# 32-true (a CPU's float16 is emulated too; 16-true would lose Adam's small steps).
-FALLBACKS = {("cuda", "bf16-mixed", False): "16-mixed"}
 
 
 def fail(message, code=2):
@@ -46,114 +45,30 @@ def fail(message, code=2):
     raise SystemExit(code) from None
 
 
+def fail_once(message):
+    """`fail` in the first process of a launch (srun's, torchrun's, Lightning's); the others exit 2, saying nothing."""
+    if not any(int(os.environ.get(rank, "0")) for rank in ("SLURM_PROCID", "RANK", "LOCAL_RANK")):
+        fail(message)
+    raise SystemExit(2)
+
+
 def invoked(*flags):
     """The command that runs this program again with `flags`, quoted for a POSIX shell."""
     return " ".join(["python", *map(shlex.quote, [sys.argv[0], *flags])])
 
 
 def started_flags():
-    return [a for a in sys.argv[1:] if a != "--resume"]
+    return [flag for flag in sys.argv[1:] if flag != "--resume"]
 
 
 def resume_command(flags=None):
     """The command that continues this run (its flags, or `flags`, plus --resume)."""
-    command = invoked(*(started_flags() if flags is None else flags), "--resume")
+    if flags is None:
+        flags = started_flags()
+    command = invoked(*flags, "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command
-
-
-def on_signals(handler):
-    """Where a run installs its handler for Ctrl-C and SIGTERM (docs/run-keeping.md lists when); AsFound puts back
-    those it found."""
-    for signum in EXIT_ON_SIGNAL:
-        signal.signal(signum, handler)
-
-
-@contextlib.contextmanager
-def tool_run():
-    """A tool's run (08, benchmark.py, plot_results.py, make_smoke_weights.py): Ctrl-C and SIGTERM end it in one
-    line, and it leaves the interpreter as it found it, however it ends."""
-    as_found = AsFound()
-    as_found.moment = ""  # a tool may have written its files: the line says no more than the signal
-    on_signals(as_found.stop_while_starting)
-    try:
-        yield
-    finally:
-        as_found.put_back()
-
-
-def is_interactive():
-    """Whether Python runs a prompt (IPython, a notebook, python -i), as Lightning tells it."""
-    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
-
-
-class AsFound:
-    """What a run changes in the interpreter, as parse_args (or tool_run) found it, put back by put_back() however
-    the run ends (RunKeeper's exit, a refusal before it, a tool's end): Ctrl-C's and SIGTERM's handlers, the
-    environment (LT_PRECISION, the variables Lightning's launcher sets: MASTER_PORT, WORLD_SIZE, OMP_NUM_THREADS...),
-    the warnings filters and torch's threads (that launcher gives each process its share of the cores)."""
-
-    def __init__(self):
-        torch = sys.modules.get("torch")  # a lesson has imported it; a tool may not need it
-        self.handlers = {signum: signal.getsignal(signum) for signum in EXIT_ON_SIGNAL}
-        self.threads = torch.get_num_threads() if torch else None
-        self.environ, self.restored = dict(os.environ), False
-        self.moment = " while starting; nothing was written"  # what the line says of when it came (tool_run: nothing)
-        self.warnings = warnings.catch_warnings()  # the warnings module's own way to keep the filters and put them back
-        self.warnings.__enter__()
-
-    def put_back(self, guard=False):
-        """The interpreter as found; `guard`: as it exits, Ctrl-C and SIGTERM ignored (no exit code changes)."""
-        if not self.restored:
-            self.restored = True
-            self.warnings.__exit__(None, None, None)
-            for name in set(os.environ) - set(self.environ):
-                del os.environ[name]
-            os.environ.update(self.environ)
-            if self.threads is not None:
-                sys.modules["torch"].set_num_threads(self.threads)
-            for signum, handler in self.handlers.items():
-                signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-        if guard:
-            atexit.register(on_signals, signal.SIG_IGN)
-
-    def stop_while_starting(self, signum, frame=None):
-        """Ctrl-C or SIGTERM from the parse to RunKeeper (nothing of the run exists yet), or in a tool: one line."""
-        name = signal.Signals(signum).name
-        print(f"\n{Path(sys.argv[0]).name}: interrupted ({name}){self.moment}.", file=sys.stderr)
-        self.put_back(guard=True)
-        raise SystemExit(EXIT_ON_SIGNAL[signum])
-
-
-# How a lesson's processes end where a strategy runs them (DDP, FSDP2; Lightning's launcher, torchrun or srun
-# started them): by os._exit with the run's code, once the exit handlers registered since the lesson was parsed
-# have run (Lightning's among them; logging's, registered as it was imported, is called), and never in the
-# interpreter's teardown. There the process group outlives destroy_process_group (the model holds it: DDP's
-# reducer, FSDP2's mesh), and a gloo thread letting go of a collective's tensor aborted the process ("terminate
-# called without an active exception": pytorch/pytorch#190489). Lightning starts no such processes from a prompt
-# (refuse_at_a_prompt refuses there), so IPython, a notebook and `python -i` never meet this.
-PROCESS_END: dict = {"registered": False, "code": None}
-
-
-def end_multi_process_run():
-    """The exit handler that ends a lesson's process as PROCESS_END says: with its last run's code, or 1 where a
-    traceback followed it; where no run of processes ended, it does nothing."""
-    if PROCESS_END["code"] is not None:
-        end_process(1 if getattr(sys, "last_value", None) is not None else PROCESS_END["code"])
-
-
-def end_process(code):
-    """Ends this process with `code` at once (os._exit): Ctrl-C and SIGTERM ignored, logging's handlers and the
-    standard streams flushed first."""
-    on_signals(signal.SIG_IGN)  # Lightning's NCCL exit handler put SIGINT's default back
-    logging.shutdown()  # registered at logging's import, before the parse: its handlers flushed and closed here
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # closed, or a full disk: nothing more to say
-            pass
-    os._exit(code)
 
 
 class Parser(argparse.ArgumentParser):
@@ -171,44 +86,55 @@ def whole_number(least, most=None):
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-        if value < least or (most is not None and value > most):
-            wrong = f"must be {least} or more" if value < least else f"must be at most {most:,}"
-            raise argparse.ArgumentTypeError(f"{wrong}, got {value:,}")
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be {least} or more, got {value:,}")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:,}, got {value:,}")
         return value
 
     return check
 
 
 def read_script(path):
-    """What a lesson's own text asks for, read before it runs, so that a copy under any name asks the same: its
-    Fabric's precision (None where no literal), whether its strategy shards, torch.compile's mode, its --help
-    (its own tagged lines, then its docstring's first paragraph)."""
-    said = {"precision": "32-true", "sharded": False, "compile_mode": None, "description": ""}
+    """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (Fabric's
+    32-true where it names none; None where not a literal), its torch.compile mode (None: none) and its --help."""
+    said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
         tree = ast.parse(text)
     except (OSError, SyntaxError, ValueError):
         return said | {"precision": None}
-    for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
-        name, keywords = ast.unparse(call.func), {k.arg: k.value for k in call.keywords}
-        if name.endswith("Fabric"):
-            said["precision"] = literal(keywords["precision"]) if "precision" in keywords else "32-true"
-            said["sharded"] = bool(re.search(r"ModelParallel|fsdp", ast.unparse(keywords.get("strategy", call))))
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        name = ast.unparse(call.func)
+        keywords = {keyword.arg: keyword.value for keyword in call.keywords}
+        if name.split(".")[-1] == "Fabric" and "precision" in keywords:  # L.Fabric(...), Fabric(...)
+            precision = keywords["precision"]
+            said["precision"] = precision.value if isinstance(precision, ast.Constant) else None
         elif name == "torch.compile":
-            said["compile_mode"] = literal(keywords.get("mode")) or "default"
-    tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
-    own = [f"[{number}] {change}." for number, change in tags if number == max(n for n, _ in tags)]
-    own = [tag for tag in dict.fromkeys(own) if len(tag.split()) > 2]  # each once, and not a bare "new"
-    said["description"] = " ".join([f"{Path(path).name}:", *own, (ast.get_docstring(tree) or "").split("\n\n")[0]])
+            mode = keywords.get("mode")
+            said["compile_mode"] = mode.value if isinstance(mode, ast.Constant) else "default"
+    tags = own_tags(text)
+    items = [textwrap.fill(tag, 116, initial_indent="  - ", subsequent_indent="    ") for tag in tags]
+    heading = [f"{Path(path).name}: its own changes, the lines tagged {tags[0][:4]}:", *items, ""] if tags else []
+    said["description"] = "\n".join([*heading, (ast.get_docstring(tree) or "").split("\n\n")[0]])
     return said
 
 
-def literal(node):
-    return node.value if isinstance(node, ast.Constant) else None
+def own_tags(text):
+    """The changes a lesson's comments tag with its number, each once, and not a bare "[17] new"."""
+    tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
+    if not tags:
+        return []
+    number = max(n for n, _ in tags)
+    own = dict.fromkeys(f"[{number}] {change.rstrip('.')}." for n, change in tags if n == number)
+    return [tag for tag in own if len(tag.split()) > 2]
 
 
 def check_path(flag, path, folder=False):
-    """One line, exit 2, where `path` (a file, or a folder) cannot be written; leaves nothing behind."""
+    """One line, exit 2, where `path` (a file, or a folder) cannot be written. A folder is tried with a file that is
+    gone as it closes (a read-only file system, or one that takes no files, refuses it); a file by its permissions."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != folder:
         fail(f"{flag} {path} cannot be written: it is a {'file, not a folder' if folder else 'folder'}")
@@ -218,13 +144,15 @@ def check_path(flag, path, folder=False):
     if not parent.is_dir():
         fail(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
     target = path if path.exists() and not folder else parent
-    try:  # os.access reads the permission bits; a read-only file system or /proc refuse all the same
+    try:
         if target.is_dir():
             tempfile.TemporaryFile(dir=target).close()
         elif not os.access(target, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as err:
-        why = f"{target} is on a read-only file system" if os.statvfs(target).f_flag & os.ST_RDONLY else err.strerror
+        why = err.strerror
+        if os.statvfs(target).f_flag & os.ST_RDONLY:
+            why = f"{target} is on a read-only file system"
         fail(f"{flag} {path} cannot be written: {why}")
 
 
@@ -245,22 +173,25 @@ class Settings(argparse.Namespace):
     whole: bool  # False where --max-steps cut the epochs short
     batch_note: str  # a smoke run's word on a batch other than the talk's 16, or ""
     own: dict  # the lesson's own flags, by their first option string, and their values (defaults too)
-    precision_asked: str | None  # what the script's Fabric(...) asks for
-    precision: str | None  # what runs: precision_asked, or its fallback without native bfloat16 (LT_PRECISION)
+    precision_asked: str | None  # what the script's Fabric(...) asks for (None: not a literal)
+    precision: str | None  # what runs: precision_asked, or 32-true where the device has no native bfloat16
     compile_mode: str | None  # the mode of the script's torch.compile(...), or None where it compiles nothing
-    checkpoint_dir_is_default: bool  # checkpoints/<run>/, which the run may remove with checkpoints/ when empty
-    as_found: AsFound  # the interpreter as the run found it, put back as it ends
+    checkpoint_dir_is_default: bool  # checkpoints/<run>/: the run's own, removed with checkpoints/ where left empty
+    restart: str | None  # why the run continues the one in its folder without --resume (a launcher's), or None
 
 
 class LessonGroup:
-    """A group of a lesson's flags (add_argument_group, add_mutually_exclusive_group): argparse's, its flags
-    counted as the lesson's own as the parser's are; argparse's group class is private, so this one wraps it."""
+    """A group of a lesson's flags, argparse's (its class is private, so this wraps it), its flags the lesson's own."""
 
     def __init__(self, group, parser):
-        self.group, self.parser = group, parser
+        self.group = group
+        self.parser = parser
 
     def add_argument(self, *names, **keywords):
         return self.parser.own(self.group.add_argument(*names, **keywords))
+
+    def add_argument_group(self, *args, **keywords):
+        return LessonGroup(self.group.add_argument_group(*args, **keywords), self.parser)
 
     def add_mutually_exclusive_group(self, **keywords):
         return LessonGroup(self.group.add_mutually_exclusive_group(**keywords), self.parser)
@@ -270,28 +201,30 @@ class LessonGroup:
 
 
 class LessonParser(Parser):
-    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own, in argparse's words
-    (add_argument, groups). A lesson's flag may set, by its dest, a setting the shared code reads: micro_batches
-    (the loader hands out each batch in that many parts) or tensor_parallel (the processes that hold one replica
-    between them). `devices`: the processes a lesson runs per machine by default, where it runs several; a
-    one-process lesson (None) takes no --devices or --num-nodes. `check(settings)`: the lesson's own relation to
-    what the run derives (its steps, its replicas), a message where it fails, asked before the machine is."""
+    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own, in argparse's words; its
+    flag may set micro_batches or tensor_parallel by its dest. `devices`: the processes a lesson of several runs per
+    machine (None: one, and no --devices). `check(settings)`: the lesson's own relation, a message where it fails."""
 
-    own_flags: list | None = None  # the lesson's, as add_argument returns them (after the shared ones)
+    # the lesson's flags, as add_argument returns them: None while argparse and __init__ add the shared ones
+    own_flags: list | None = None
 
-    def __init__(self, epochs, devices=None, batch_size=16, loader=True, train_images=None, check=None):
-        super().__init__()  # the description, the script's own words, is read as it prints --help (read_script)
+    def __init__(self, epochs, devices=None, batch_size=16, num_workers_flag=True, train_images=None, check=None):
+        # the description, the script's own words, is read as it prints --help (read_script), line by line
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter)
         self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
         self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
-        self.train_images, self.check = train_images or {}, check
-        add, number, switch = self.add_argument, dict(type=whole_number(1), metavar="N"), dict(action="store_true")
+        self.train_images = train_images or {}
+        self.check = check
+        add = self.add_argument
+        number = dict(type=whole_number(1), metavar="N")
+        switch = dict(action="store_true")
         add("--smoke", **switch, help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
         add("--synthetic", **switch, help="random images and labels, random init: for throughput and memory")
         steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
         add("--max-steps", **number, help=steps)
         add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {self.shape['smoke_epochs']})")
         add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
-        if loader:
+        if num_workers_flag:  # not where the loader has no workers (09)
             add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
         add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
         add("--no-download", **switch, help="fail instead of downloading CIFAR-10")
@@ -331,75 +264,57 @@ class LessonParser(Parser):
         group = super().add_mutually_exclusive_group(**keywords)
         return group if self.own_flags is None else LessonGroup(group, self)
 
-    def flag(self, dest, otherwise):  # the lesson's flag that sets `dest`, or `otherwise`
+    def flag(self, dest, otherwise):
+        """The lesson's flag that sets `dest`, or `otherwise`."""
         flags = [a.option_strings[0] for a in self.own_flags or [] if a.dest == dest and a.option_strings]
         return flags[0] if flags else otherwise
 
     # argparse's parse_args returns a Namespace; this one returns Settings, a Namespace
     def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]
-        """The settings (Settings), or one line and exit 2; the interpreter as found where it refuses."""
-        as_found, PROCESS_END["code"] = AsFound(), None  # a refusal ends this process as Python ends
-        on_signals(as_found.stop_while_starting)  # until RunKeeper's: nothing of the run exists yet to keep
-        try:
-            return self.settle(super().parse_args(args, namespace or Settings()), as_found)
-        except SystemExit:
-            as_found.put_back()
-            raise
+        """The run's settings, or one line and exit 2 (changing nothing)."""
+        return self.settle(super().parse_args(args, namespace or Settings()))
 
-    def settle(self, given, as_found):
-        """`given` (argparse's values) made the run's settings: flags that do not go together refused, the places
-        and sizes, the run's name and files; then what the run cannot do is refused, and prepared (prepare)."""
-        said = read_script(sys.argv[0])
+    def settle(self, given):
+        """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go together,
+        processes and sizes, the lesson's check=, the machine, places, a prompt, the launch, the checkpoint folder."""
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
-        given_data = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
-        ignored = " and ".join(given_data)
-        if ignored and kind:
+        data_flags = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
+        if data_flags and kind:
+            ignored = " and ".join(data_flags)
             self.error(f"{ignored}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
         if given.smoke and given.vit:
             self.error("--vit: a smoke run trains its own small ViT; drop it")
-        places = place_processes(given, self)
-        sizes = settle_sizes(given, self, kind, places)
-        machine = places.pop("problem")  # what the machine refuses, said after the lesson's own refusals
-        defaults = {"seed": 123, "vit": "vit_b_16", **places.pop("defaults"), **sizes.pop("defaults")}
-        chosen = {**vars(given), **places, **sizes, "vit": given.vit or "vit_b_16"}
-        named = [how.format(chosen[key]) for key, how in NAMED_SETTINGS.items() if chosen[key] != defaults[key]]
+        places, default_devices, machine_refusal = place_processes(given, self)
+        sizes, size_defaults = settle_sizes(given, self, kind, places)
+        vars(given).update(places, **sizes)  # their Settings: accelerator, devices ... data_parallel; epochs ... steps
+        defaults = {"seed": 123, "vit": "vit_b_16", "world_size": default_devices, **size_defaults}
+        given.vit = given.vit or "vit_b_16"
+        given.kind = kind
+        given.script = Path(sys.argv[0]).name
         own = own_settings(self.own_flags or [], given)
-        named += [name_part(flag, value) for flag, (value, default) in own.items() if value != default]
-        name = "-".join(part for part in [Path(sys.argv[0]).stem, kind, *named] if part)
-        vars(given).update(places, **sizes)  # the declared settings place_processes and settle_sizes make
-        given.script, given.kind, given.vit = Path(sys.argv[0]).name, kind, chosen["vit"]
         given.own = {flag: value for flag, (value, _) in own.items()}
-        given.precision_asked, given.compile_mode = said["precision"], said["compile_mode"]
-        given.precision = precision_that_runs(said["precision"], places["accelerator"], said["sharded"])
-        given.data_dir, given.save_model = given.data_dir or "data", given.save_model or f"models/{name}.pt"
+        name = run_name(given, kind, defaults, own)
+        said = read_script(sys.argv[0])
+        given.precision_asked = said["precision"]
+        given.precision = said["precision"]  # as asked where the machine is refused (its line is said below)
+        if not machine_refusal:
+            given.precision = precision_that_runs(said["precision"], given.accelerator)
+        given.compile_mode = said["compile_mode"]
+        given.data_dir = given.data_dir or "data"
+        given.save_model = given.save_model or f"models/{name}.pt"
         given.checkpoint_dir_is_default = not given.checkpoint_dir
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
-        given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers
-        return self.prepare(given, kind, machine, as_found)
-
-    def prepare(self, given, kind, machine, as_found):
-        """Refused in this order: the lesson's own relation (check=), the `machine`'s refusal, places the run
-        cannot write, a prompt; then what the run sets (a warnings filter, LT_PRECISION), put back as it ends."""
-        if self.check and (wrong := self.check(given)):  # every setting but as_found, which comes last
+        if getattr(given, "num_workers", None) is None:
+            given.num_workers = 4
+        if self.check and (wrong := self.check(given)):
             self.error(wrong)
-        if machine:
-            fail(machine)
-        check_path("--results", given.results)  # each place the run writes, before any work
-        check_path("--save-model", given.save_model)
-        check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
-        if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
-            fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-        if not kind and not given.no_download:
-            check_path("--data-dir", given.data_dir, folder=True)
+        if machine_refusal:
+            fail(machine_refusal)
+        check_places(given, kind)
         if self.shape["devices"] is not None:  # a strategy of processes (DDP, FSDP2), even of one
             refuse_at_a_prompt()
-            register_process_end()
-        # Lightning warns wherever srun exists but did not start the process (a login node, a one-process run
-        # on a GPU node); check_launch refuses where that matters, and the opening line says what started it
-        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
-        if given.precision != given.precision_asked:
-            os.environ["LT_PRECISION"] = given.precision  # read by the lesson's Fabric(...)
-        given.as_found = as_found
+        check_launch(given.devices, given.num_nodes, takes_devices=self.shape["devices"] is not None)
+        given.restart = read_the_checkpoint_folder(given)
         return given
 
     def format_help(self):  # the script's own words first: its tagged lines, its docstring (read_script)
@@ -408,89 +323,136 @@ class LessonParser(Parser):
 
 
 def own_settings(actions, given):
-    """The lesson's own flags, by their first option string (a positional's by its dest): (value, default), as
-    JSON values; argparse applies a flag's type to a default given as text, so this does too."""
+    """The lesson's own flags by their first option string: (value, default) as JSON values (a text default typed)."""
     own = {}
-    for action in (a for a in actions if a.dest != argparse.SUPPRESS):
+    for action in actions:
+        if action.dest == argparse.SUPPRESS:
+            continue
         default = action.default
         if isinstance(default, str) and callable(action.type):
             default = action.type(default)
-        as_json = [json.loads(json.dumps(v, default=str)) for v in (getattr(given, action.dest), default)]
-        own[(action.option_strings or [action.dest])[0]] = tuple(as_json)
+        value = json.loads(json.dumps(getattr(given, action.dest), default=str))
+        default = json.loads(json.dumps(default, default=str))
+        own[(action.option_strings or [action.dest])[0]] = (value, default)
     return own
 
 
+def run_name(given, kind, defaults, own):
+    """The run's name (its folder's, its model file's): the script, its kind, each setting not its default."""
+    parts = [Path(sys.argv[0]).stem, kind]
+    for key, spelling in NAMED_SETTINGS.items():
+        if getattr(given, key) != defaults[key]:
+            parts.append(spelling.format(getattr(given, key)))
+    parts += [name_part(flag, value) for flag, (value, default) in own.items() if value != default]
+    return "-".join(part for part in parts if part)
+
+
 def name_part(flag, value):
-    """A changed setting in a run's name: a switch by its flag alone, a value after it (a list by commas)."""
+    """A changed setting in a run's name: a switch by the flag that sets it (--no-ema-eval for BooleanOptionalAction's
+    --ema-eval turned off), a value after its flag (a list by commas)."""
     if isinstance(value, bool):
-        return flag.lstrip("-")
+        return flag.lstrip("-") if value or flag.startswith("--no-") else "no-" + flag.lstrip("-")
     text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
     return flag.lstrip("-") + text.replace("/", "_")  # a path's value names a file, not folders
 
 
+def check_places(given, kind):
+    """Each place the run writes, before any work: one line where it cannot."""
+    check_path("--results", given.results)
+    check_path("--save-model", given.save_model)
+    check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
+    if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
+        fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
+    if not kind and not given.no_download:
+        check_path("--data-dir", given.data_dir, folder=True)
+
+
 def refuse_at_a_prompt():
-    """A lesson whose strategy runs processes (Lightning's subprocess launcher starts them, even one) at a prompt
-    (IPython, a notebook, python -i), where that launcher refuses to start them: one line, with the shell's command."""
-    if is_interactive():
+    """A lesson of processes at a prompt, where Lightning's launcher cannot start them: one line, its shell command."""
+    if hasattr(sys, "ps1") or sys.flags.interactive:  # a prompt, as Lightning tells one
         how = f"from a shell: {invoked(*sys.argv[1:])}"
         launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
         fail(f"this lesson's processes are started by {launcher}: run it {how}")
 
 
-def register_process_end():
-    """The exit handler that ends a lesson's processes (end_multi_process_run), once an interpreter; a run's code
-    set by RunKeeper as the run ends (parse_args clears it: a refused run ends as Python ends)."""
-    if not PROCESS_END["registered"]:
-        PROCESS_END["registered"] = True
-        atexit.register(end_multi_process_run)
-
-
 def place_processes(given, parser):
-    """The accelerator, processes per machine and data-parallel replicas, the defaults the run's name is against, and
-    the machine's refusal (where it cannot run what the flags ask: said after the lesson's own); a launch, a count of
-    CPU processes or a tensor-parallel size that cannot be is refused here."""
-    on_the_cpu = given.accelerator == "cpu" or (given.smoke and given.accelerator == "auto")  # CUDA not started
-    devices, cuda_count = parser.shape["devices"], 0 if on_the_cpu else usable_gpus()
-    accelerator, problem = given.accelerator, None  # the machine's refusal, said after the lesson's own (settle)
-    if accelerator == "auto" and cuda_count == 0 and not given.smoke:
-        hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
-        cpu = f"A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
-        problem = no_gpu_line(cpu) or f"no CUDA GPU found. {cpu}"
+    """(where the processes run, how many, in how many replicas; the default count, which the run's name is against; the
+    machine's refusal, said after the lesson's own, or None). Refuses an impossible CPU count, tensor-parallel size."""
+    devices = parser.shape["devices"]
+    on_the_cpu = given.accelerator == "cpu" or (given.smoke and given.accelerator == "auto")
+    gpus, torch_says = (0, None) if on_the_cpu else cuda_gpus()
+    refusal = unusable_gpu_line(torch_says) if torch_says else None
+    accelerator = given.accelerator
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
-        accelerator = "cuda" if cuda_count and not given.smoke else "cpu"
-    default_devices = 1 if devices is None else min(devices, 2) if given.smoke and accelerator == "cpu" else devices
-    count = 1 if devices is None else given.devices or default_devices  # --smoke on a CPU: 2 processes show it
-    num_nodes, group = 1 if devices is None else given.num_nodes, given.tensor_parallel
-    if accelerator == "cuda" and count > cuda_count:
-        asked = f"--devices {count}" if devices else "--accelerator cuda"
-        if not cuda_count:
-            none = f"asked for {count} GPU(s) per machine ({asked}) but this machine has 0."
-            problem = no_gpu_line(none[0].upper() + none[1:]) or none
-        else:
-            flags = flags_for(started_flags(), cuda_count, group, parser.flag("tensor_parallel", None))
-            command = invoked(*flags, *(["--resume"] if given.resume else []))
-            problem = fewer_gpus_line(count, cuda_count, asked, command)
-    if accelerator == "cuda" and cuda_count and not problem:
-        problem = no_kernels_line()
+        accelerator = "cuda" if gpus and not given.smoke else "cpu"
+        if not gpus and not given.smoke and not refusal:
+            hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
+            cpu = f"A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
+            refusal = no_gpu_line(cpu)
+    default_devices = 1 if devices is None else devices
+    if devices is not None and given.smoke and accelerator == "cpu":
+        default_devices = min(devices, 2)  # --smoke on a CPU: 2 processes show it
+    count = 1 if devices is None else given.devices or default_devices
+    num_nodes = 1 if devices is None else given.num_nodes
+    group = given.tensor_parallel
+    if accelerator == "cuda" and count > gpus and not refusal:
+        refusal = fewer_gpus_line(given, parser, count, gpus)
     cores = os.cpu_count() or 1
     if accelerator == "cpu" and count > max(4, cores):
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
-    check_launch(count, num_nodes, takes_devices=devices is not None)
     world = count * num_nodes
     if group < 1 or world % group:
         flag = parser.flag("tensor_parallel", "tensor_parallel")
         parser.error(f"{flag} {group} does not divide the {world} processes")
     places = dict(accelerator=accelerator, devices=count, num_nodes=num_nodes, world_size=world)
-    return places | {"data_parallel": world // group, "defaults": {"world_size": default_devices}, "problem": problem}
+    places["data_parallel"] = world // group
+    return places, default_devices, refusal
+
+
+def fewer_gpus_line(given, parser, count, gpus):
+    """The line where CUDA gives torch fewer GPUs than the run asks for, with the command that runs on those."""
+    asked = f"--devices {count}" if parser.shape["devices"] else "--accelerator cuda"
+    if not gpus:
+        return no_gpu_line(f"Asked for {count} GPU(s) per machine ({asked}) but this machine has 0.")
+    group_flag = parser.flag("tensor_parallel", None)
+    flags = flags_for(started_flags(), gpus, given.tensor_parallel, group_flag)
+    command = invoked(*flags, *(["--resume"] if given.resume else []))
+    it = "it" if gpus == 1 else "them"
+    has = f"this machine has {gpus}"
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        has = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} shows torch {gpus}"
+    return f"asked for {count} GPU(s) per machine ({asked}) but {has}: {command} runs on {it}."
+
+
+def flags_for(flags, has, group=1, group_flag=None):
+    """`flags` for `has` GPUs: as many as the tensor-parallel `group` divides, or all as one group (`group_flag`)."""
+    regroup = has < group and group_flag
+    dropped = {"--devices", *([group_flag] if regroup else [])}
+    kept = []
+    values = iter(flags)
+    for flag in values:
+        if flag.split("=")[0] not in dropped:
+            kept.append(flag)
+        elif "=" not in flag:
+            next(values, None)  # its value
+    devices = has - has % group if has >= group else has
+    return [*kept, "--devices", str(devices), *([group_flag, str(has)] if regroup else [])]
 
 
 def settle_sizes(given, parser, kind, places):
-    """The epochs, batch, steps and micro-batches, checked against each other and the data; a smoke run's word on
-    its batch; and the defaults the run's name is against."""
-    shape, micro, replicas = parser.shape, given.micro_batches, places["data_parallel"]
-    default_epochs = 1 if given.synthetic else shape["smoke_epochs"] if given.smoke else shape["epochs"]
-    max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
+    """(the epochs, batch, steps and micro-batches, checked against each other and the data, and a smoke run's word on
+    its batch; the defaults the run's name is against)."""
+    shape = parser.shape
+    micro = given.micro_batches
+    replicas = places["data_parallel"]
+    if given.synthetic:
+        default_epochs = 1
+    else:
+        default_epochs = shape["smoke_epochs"] if given.smoke else shape["epochs"]
     epochs = given.epochs or default_epochs
+    max_steps = given.max_steps
+    if given.synthetic and max_steps is None:
+        max_steps = SYNTHETIC_STEPS
     if given.synthetic and max_steps <= WARMUP_STEPS and epochs == 1:
         parser.error(f"--synthetic times the steps after {WARMUP_STEPS}: give --max-steps {WARMUP_STEPS + 1} or more")
     default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else shape["batch_size"]
@@ -498,31 +460,32 @@ def settle_sizes(given, parser, kind, places):
     if micro < 1 or batch % micro:
         split = f"the batch of {batch} (--batch-size) is trained on in {micro} micro-batches, so it must divide it"
         parser.error(f"{parser.flag('micro_batches', 'micro-batches')} {micro}: {split}")
-    note, images = "", None if given.synthetic else parser.train_images.get(kind or "full")
+    note = ""
     if given.smoke and SMOKE_GLOBAL_BATCH % replicas and batch == default_batch:
         note = f" The batch is {batch} per data-parallel process, {batch * replicas} in all, not the talk's 16:"
         note += f" 16 does not divide by {replicas}."
+    images = None if given.synthetic else parser.train_images.get(kind or "full")
     if images is not None and batch * replicas > images:
         none = f"the {images:,} training images of a {kind or 'full'} run make no batch of {batch} for each of"
         largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
         parser.error(f"--batch-size {batch}: {none} {largest}")
-    per_epoch = images // replicas // batch if images is not None else max_steps  # the loader drops a last part
-    per_epoch = min(per_epoch, max_steps) if max_steps else per_epoch
-    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, whole=given.synthetic or max_steps is None)
-    sizes["steps"] = per_epoch * epochs
-    steps = given.synthetic and SYNTHETIC_STEPS or None
-    defaults = dict(epochs=default_epochs, batch_size=default_batch, max_steps=steps)
-    return sizes | {"batch_note": note, "defaults": defaults}
+    per_epoch = max_steps if images is None else images // replicas // batch  # the loader drops a last part
+    if max_steps:
+        per_epoch = min(per_epoch, max_steps)
+    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=per_epoch * epochs)
+    sizes |= dict(whole=given.synthetic or max_steps is None, batch_note=note)
+    synthetic_steps = SYNTHETIC_STEPS if given.synthetic else None
+    return sizes, dict(epochs=default_epochs, batch_size=default_batch, max_steps=synthetic_steps)
 
 
 def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the started processes cannot be the run the flags ask for: all stop, the first
-    says why."""
-    env, one = os.environ, "" if takes_devices else " (one process)"
-    asked = f"--devices {devices} --num-nodes {num_nodes}{one}"
-    job, problem = env.get("SLURM_JOB_NAME"), None
+    """One line, exit 2, where the processes started are not the run the flags ask for: all stop, the first says why."""
+    env = os.environ
+    problem = None
+    asked = f"--devices {devices} --num-nodes {num_nodes}{'' if takes_devices else ' (one process)'}"
+    job = env.get("SLURM_JOB_NAME")
     if "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
-        ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))
+        ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))  # SLURM's sizes
         per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
         if "SLURM_STEP_ID" not in env and ntasks > 1:
             problem = f"SLURM gave this job {ntasks} tasks, but this process was started without srun, so it would"
@@ -535,7 +498,7 @@ def check_launch(devices, num_nodes, takes_devices):
             problem = f"SLURM started {started} (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for"
             problem += f" {asked}: make the two agree (one task per GPU)"
     elif "TORCHELASTIC_RUN_ID" in env:
-        local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))
+        local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))  # torchrun's sizes
         if (local, world) != (devices, devices * num_nodes):
             problem = f"torchrun started {local} process(es) here and {world} in all, but the flags ask for {asked}:"
             problem += " make --nproc-per-node and --nnodes agree with them"
@@ -545,61 +508,113 @@ def check_launch(devices, num_nodes, takes_devices):
         if job in SLURM_INTERACTIVE_JOBS:
             problem += f" Inside `srun --pty bash` (SLURM job name {job!r}) Lightning does not use SLURM:"
             problem += " submit the job script with sbatch instead."
-    if problem and int(env.get("SLURM_PROCID", env.get("RANK", "0"))) == 0:
-        fail(problem)
     if problem:
-        raise SystemExit(2)
+        fail_once(problem)
 
 
-def cpu_model_and_flags():
+def read_the_checkpoint_folder(given):
+    """Why a launcher started this run again, continuing the one in its folder (or None); refused in one line: a run in
+    progress there, an unfinished run without --resume, nothing to resume, a checkpoint of other settings."""
+    folder = Path(given.checkpoint_dir)
+    holder = lock_holder(folder)
+    if holder is not None:
+        fail_once(in_progress(folder, holder))
+    latest = read_json(folder / LATEST)
+    exists = (folder / LATEST).exists()
+    restart = restart_reason(latest if isinstance(latest, dict) else {})
+    if exists and not given.resume and not restart:
+        flags = latest.get("flags") if isinstance(latest, dict) else None
+        how = f"continue it with: {resume_command(flags)}; or {elsewhere(folder)}"
+        fail_once(f"{folder} holds the checkpoint of an unfinished run: {how}; or {start_over(given)}")
+    if given.resume and not exists:
+        fail_once(nothing_to_resume(given, folder))
+    if exists and not isinstance(latest, dict):
+        corrupt = f"{folder / LATEST} is unreadable or corrupt (not the JSON a run writes)"
+        fail_once(f"--resume: {corrupt}; {start_over(given)}")
+    differences = made_with(given, latest) if latest else []
+    if differences:
+        made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
+        as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
+        fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
+    return restart
+
+
+def made_with(given, latest):
+    """Each setting of `given` that the run which wrote `latest` had otherwise: "batch_size 16 (now 8)"."""
+    mine = {"script": given.script, "kind": given.kind or "full", **{key: getattr(given, key) for key in SETTINGS}}
+    theirs = {"script": latest.get("script"), "kind": latest.get("kind") or "full", **(latest.get("settings") or {})}
+    mine |= given.own
+    return [f"{key} {theirs.get(key)} (now {value})" for key, value in mine.items() if theirs.get(key) != value]
+
+
+def nothing_to_resume(given, folder):
+    """--resume's line where the folder holds none: this script's folders that do, with their settings and command."""
+    line = [f"--resume: nothing to resume in {folder} (no {LATEST})."]
+    for path in sorted(folder.parent.glob(f"{Path(given.script).stem}*/{LATEST}")):
+        latest = read_json(path)
+        latest = latest if isinstance(latest, dict) else {}
+        differences = made_with(given, latest)
+        made = f", made with {', '.join(differences)}" if differences else ""
+        line.append(f"{path.parent} holds one{made}: continue it with {resume_command(latest.get('flags'))}.")
+    if given.num_nodes > 1:
+        line.append("Every machine must see it (--checkpoint-dir).")
+    return " ".join(line)
+
+
+def lock_holder(folder):
+    """The line of the process that holds the folder's .lock (keeper.FolderLock), or None; nothing is made or held."""
     try:
-        info = Path("/proc/cpuinfo").read_text().splitlines()
+        fd = os.open(Path(folder) / ".lock", os.O_RDONLY)
     except OSError:
-        return "", []
-    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    return model, next((line.split(":", 1)[1].split() for line in info if line.startswith(("flags", "Features"))), [])
-
-
-def native_bf16(device_type):
-    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on; a CPU with AVX512-BF16 or AMX (or Arm's
-    bf16) unless ONEDNN_MAX_CPU_ISA caps oneDNN below them. With AVX2 alone a 512x512 product ran 110x slower."""
-    if device_type == "cuda":
-        import torch
-
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    capped = not (cap == "ALL" or any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10")))
-    return not capped and bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
-
-
-def precision_that_runs(asked, accelerator, sharded):
-    if not (asked or "").startswith("bf16") or native_bf16(accelerator):
-        return asked
-    return FALLBACKS.get((accelerator, asked, sharded), "32-true")
-
-
-def device_name(accelerator):
-    """The GPU's name, or the CPU's model, cores, bfloat16 units and oneDNN's cap if one is set."""
-    if accelerator == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name()
-    model, flags = cpu_model_and_flags()
-    units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    units += [f"oneDNN capped at {cap} by ONEDNN_MAX_CPU_ISA"] if cap and cap.upper() != "ALL" else []
-    return f"CPU {model or 'unknown'} ({os.cpu_count()} cores{''.join(', ' + u for u in units)})"
-
-
-def fallback_line(args):
-    """What a run says where the device has no native bfloat16, or None."""
-    ran, asked = args.precision, args.precision_asked
-    if ran == asked:
         return None
-    if args.accelerator == "cuda":
-        why = " (Fabric's FSDP2 strategy takes no 16-mixed)" if ran == "32-true" and asked == "bf16-mixed" else ""
-        return f"This GPU ({device_name('cuda')}) has no native bfloat16: running {ran} instead of {asked}{why}."
-    slow = "emulated bfloat16 runs many times slower than float32; the record says both. What bfloat16 saves in time"
-    where = "and memory shows on a CPU with AVX512-BF16 or AMX, or a GPU from Ampere on (docs/smoke.md)."
-    none = f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX)"
-    return f"{none}: running {ran} instead of {asked}, since {slow} {where}"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return os.pread(fd, 400, 0).decode(errors="replace").strip()
+    finally:
+        os.close(fd)
+
+
+def in_progress(folder, holder):
+    holder = holder or "another process"
+    return f"a run is in progress in {folder} ({holder}): wait, or give this one another --checkpoint-dir."
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def restart_reason(latest):
+    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM, torchrun), or None."""
+    env = os.environ
+    launch = latest.get("launch") or {}
+    slurm = int(env.get("SLURM_RESTART_COUNT", "0"))
+    torchrun = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if slurm and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
+        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {slurm})"
+    if torchrun and env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
+        return f"torchrun restarted its workers (restart {torchrun})"
+    return None
+
+
+def start_over(given):
+    """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
+    folder = Path(given.checkpoint_dir)
+    parent = f" && rmdir {shlex.quote(str(folder.parent))} 2>/dev/null" if given.checkpoint_dir_is_default else ""
+    return f"start over with: rm -rf {shlex.quote(str(folder))}{parent}; {invoked(*started_flags())}"
+
+
+def elsewhere(folder):
+    """The command that starts this run in a folder of its own (`folder`-2, or the next free), `folder` left be."""
+    number = next(n for n in range(2, 10**6) if not Path(f"{folder}-{n}").exists())
+    flags = []
+    skip = False
+    for flag in started_flags():  # all but an earlier --checkpoint-dir
+        if not skip and not flag.startswith("--checkpoint-dir"):
+            flags.append(flag)
+        skip = flag == "--checkpoint-dir"
+    return f"start this one in a folder of its own: {invoked(*flags, '--checkpoint-dir', f'{folder}-{number}')}"

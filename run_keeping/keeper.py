@@ -1,41 +1,38 @@
-"""RunKeeper, around a lesson's run in a `with` block: checkpoints and --resume, Ctrl-C and SIGTERM, one line for a
-known error, the timing and the record. Every effect it has on a run is listed in docs/run-keeping.md."""
+"""RunKeeper, `with RunKeeper(args) as keeper:` around a lesson's run (its Fabric(...) inside): the one owner of what
+a run changes in its process, each change set beside its undoing, and undone as the block is left, however the run
+ended, after one line and an exit code. It also resumes, checkpoints, times and records the run: docs/run-keeping.md."""
 
+import contextlib
 import fcntl
 import json
 import os
 import re
 import resource
-import shlex
 import shutil
 import signal
 import socket
 import sys
 import time
-from datetime import datetime, timezone
+import traceback
+import warnings
 from pathlib import Path
-from traceback import print_exception
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from run_keeping.config import EXIT_ON_SIGNAL, SLURM_INTERACTIVE_JOBS, VITS, WARMUP_STEPS, device_name, fail
-from run_keeping.config import fallback_line
-from run_keeping.config import PROCESS_END, end_process, invoked, on_signals, resume_command, started_flags
+from run_keeping.config import EXIT_ON_SIGNAL, LATEST, SETTINGS, SLURM_INTERACTIVE_JOBS, VITS, WARMUP_STEPS
+from run_keeping.config import fail, in_progress, invoked, read_json, resume_command, start_over, started_flags
+from run_keeping.device import device_name, fallback_line
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
 
-PRINT_EVERY = 300  # the loss is checked every 300 batches, the talk's print interval (09 prints every 100)
+PRINT_EVERY = 300  # batches between the loss checks: where the talk's lessons print (09's 100 divides it)
 MEET_WITHIN = 60  # seconds a finished process waits at the end for the others, whose files are written by then
-FAILED = ".failed-process-"  # beside the lock: a process that failed with an error names itself for the others
-LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint
-# The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them.
-SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")  # and the lesson's own
-# A run is busy when its computing thread spent more than this share of its ready time waiting for a core. On an
-# idle 2-core AMD EPYC (2026-12-05), --smoke --max-steps 20: 04 0.04%, 05 5.7%, 07 9.0%; beside two programs spinning
-# on the cores: 04 49%, 07 50%, 2-4 times slower.
+# A run is busy when its computing thread waited for a core more than this share of its ready time. An idle 2-core
+# AMD EPYC, --smoke --max-steps 20: 04 0.04%, 07 9.0%; beside two programs spinning: 04 49%, 07 50% (2026-12-05).
 BUSY_WAIT = 0.25
 # How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
@@ -43,230 +40,272 @@ LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroup
 # How torch.compile says its compiler is missing; any other compile error is said as itself.
 NO_COMPILER = r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|No such file or directory: "
 NO_COMPILER += r"'(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|(?:g\+\+|gcc|cc|clang): (?:command )?not found"
-WHAT_RUNS = {"smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits"}
-WHAT_RUNS |= {"synthetic": "{vit} from random init on random images and labels"}
-WHAT_RUNS |= {"smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels"}
+WHAT_RUNS = {
+    "smoke": "a 3-layer ViT ({init}) trained on scikit-learn's 8x8 handwritten digits",
+    "synthetic": "{vit} from random init on random images and labels",
+    "smoke-synthetic": "the 3-layer smoke ViT from random init on random 32x32 images and labels",
+}
 
 
 class RunKeeper:
-    """`with RunKeeper(args, fabric) as keeper:` around a script's run, which calls keep_in_checkpoints(), resume(),
-    batch_done() after each batch, checkpoint() after each epoch and finish(): docs/run-keeping.md."""
+    """The lesson calls start() (after fabric.launch()), keep_in_checkpoints() for a scheduler or an average, resume()
+    before training, batch_done() after each batch, checkpoint() after each epoch and finish() at the end."""
 
-    def __init__(self, args, fabric=None):
-        self.args, self.fabric, self.folder = args, fabric, Path(args.checkpoint_dir)
-        self.rank, self.world_size = (fabric.global_rank, fabric.world_size) if fabric else (0, 1)
-        # What it keeps of the run, all of it here: the folder's lock, the last checkpoint kept, the epochs it holds,
-        self.lock: FolderLock | None = None
+    def __init__(self, args):
+        self.args = args
+        self.folder = Path(args.checkpoint_dir)
+        self.undo = contextlib.ExitStack()  # each change the run makes to the process, undone as the block is left
+        # this process and its run's others (start)
+        self.fabric: Any = None
+        self.rank = 0
+        self.world_size = 1
+        # how the run ends: the signal that stopped it, one noted while it must not, whether the run finished
+        self.signum = signal.SIGINT
+        self.noting = False
+        self.noted: signal.Signals | None = None
+        self.finished = False
+        # what resume() is handed, and what else each checkpoint keeps (keep_in_checkpoints)
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.kept_too: list = []
+        self.batches_per_epoch = 0
+        self.init = "random init"  # what the model starts from (local_utilities.build_vit notes it)
+        # the last checkpoint kept, the epochs it holds, and the epoch the loop starts at
         self.last: Path | None = None
-        self.kept = self.start_epoch = 0
-        # the figures of the epochs trained (a resumed run's earlier ones too) and the peak memory of every session,
+        self.kept = 0
+        self.start_epoch = 0
+        # each epoch's figures (a resumed run's earlier ones too), the peak memory of every session
         self.train_loss: list[float] = []
         self.val_acc: list[float] = []
         self.lr: list[float] = []
         self.peak_gb = 0.0
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # before a --resume
-        # this session's timing and the epoch in progress (batch_done),
-        self.checkpoint_s: list[float] = []
+        # this session's timing (started: when training began, 0 before), and the epoch in progress (batch_done)
         self.started = 0.0
-        self.timed_images, self.timed_seconds, self.steps_this_session = 0, 0.0, 0
+        self.cpu_at_start = (0.0, 0.0)
+        self.checkpoint_s: list[float] = []
+        self.timed_images = 0
+        self.timed_seconds = 0.0
+        self.steps_this_session = 0
         self.epoch_timer: float | None = None
-        self.epoch_images = self.batch_in_epoch = 0
+        self.epoch_images = 0
+        self.batch_in_epoch = 0
         self.epoch_loss: torch.Tensor | None = None
-        self.first_bad = torch.tensor(-1.0)
+        self.first_bad = torch.tensor(-1.0)  # the epoch's first batch whose loss is not finite, or -1
         self.epoch_lr = 0.0
-        self.cpu_at_start = cpu_times()
-        # what resume() is handed and what the model starts from, the scheduler checkpoints keep,
-        self.model: Any = None
-        self.optimizer: Any = None
-        self.scheduler: Any = None
-        self.batches_per_epoch = 0
-        self.init = "random init"
-        # and how it ends: the signal that interrupts it, one noted while it must not, whether it finished
-        self.signum, self.deferred, self.finished = signal.SIGINT, None, False
-        on_signals(self.on_signal)  # Ctrl-C and SIGTERM: KeyboardInterrupt wherever the run is
-        try:  # a collective: every process takes part, and all stop where one cannot go on
-            restart = self.agree(self.claim_folder)
-        except BaseException as stopped:  # refused, interrupted or failed: no lock or folder left, all handed back
-            self.let_go()
-            if isinstance(stopped, KeyboardInterrupt):
-                name = signal.Signals(self.signum).name
-                self.say(f"\n{args.script}: interrupted ({name}) while starting; nothing was written.", to=sys.stderr)
-                self.end(EXIT_ON_SIGNAL[self.signum])
-                raise SystemExit(EXIT_ON_SIGNAL[self.signum]) from None
-            code = stopped.code if isinstance(stopped, SystemExit) else None
-            self.end(code if isinstance(code, int) else 1, None if isinstance(stopped, SystemExit) else stopped)
-            raise
-        self.resuming = args.resume or bool(restart)
-        print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        self.say(fallback_line(args), f"{restart}: continuing the run in {self.folder}." if restart else None)
 
     def __enter__(self):
+        self.noting = True  # a signal while the run's changes are made is acted on once they all are
+        try:
+            self.set_up()
+        except BaseException:
+            self.undo.close()
+            raise
+        self.noting = False
+        if self.noted:  # as if it came at the block's first line: one line, 130 or 143, every change undone
+            self.signum, self.noted = self.noted, None
+            self.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
         return self
 
-    def on_signal(self, signum, frame):  # Ctrl-C, SIGTERM, while the run trains
-        self.signum = signum
-        raise KeyboardInterrupt
+    def set_up(self):
+        """Each change the run makes to this process, beside its undoing (self.undo undoes them in reverse order)."""
+        # Ctrl-C and SIGTERM: from here to the run's end, one line and 130 or 143
+        for signum in EXIT_ON_SIGNAL:
+            if signal.getsignal(signum) is signal.SIG_IGN:  # ignored by whoever started it (a job in the background)
+                continue
+            self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
+            signal.signal(signum, self.on_signal)
+        # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK, OMP_NUM_THREADS ...), and
+        # LT_PRECISION, the precision that runs (device.precision_that_runs), which Fabric(...) takes over its argument
+        # as `fabric run --precision` sets it: the lesson's line stays as the talk wrote it
+        self.undo.callback(put_back_environment, dict(os.environ))
+        if self.args.precision:
+            os.environ["LT_PRECISION"] = self.args.precision
+        # torch's threads, which Lightning's launcher sets to each process's share of the cores (distributed.py)
+        self.undo.callback(torch.set_num_threads, torch.get_num_threads())
+        # The warnings filters as found. Lightning warns wherever srun exists but did not start the process: the opening
+        # line says what started it, and config refuses a launch that does not match the flags
+        self.undo.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
 
-    def defer_signal(self, signum, frame):  # while the last files are written, or a checkpoint is named
-        self.deferred = self.deferred or signum
+    def on_signal(self, signum, frame):
+        """Ctrl-C or SIGTERM: a KeyboardInterrupt wherever the run is; while it does what must be whole (its set-up, a
+        checkpoint's name, the finished run's files, its end), noted and acted on once that is done."""
+        if self.noting:
+            self.noted = self.noted or signal.Signals(signum)
+        else:
+            self.signum = signal.Signals(signum)
+            raise KeyboardInterrupt
 
-    def __exit__(self, exc_type, error, traceback):
-        """One line and an exit code for an interruption or a known error, else a traceback; then it hands back."""
-        on_signals(self.defer_signal)  # a signal from here on changes nothing: noted, said below
-        code, message = 0, None
-        if exc_type and issubclass(exc_type, KeyboardInterrupt):
-            code, message = EXIT_ON_SIGNAL[self.signum], self.interrupted_line(self.signum)
-        elif exc_type and issubclass(exc_type, SystemExit):
-            code = error.code if isinstance(error.code, int) else 1  # its line is said
-        elif exc_type:
-            message, code = explain(error, self.args, self.rank, self.world_size, self.last) or (None, None)
-            own = self.world_size > 1 and not lost_peer(self.world_size, error)  # this process's own error
-            if own:  # the others, stopped by its leaving, name this process
-                note_failure(self.folder, self.rank, self.world_size)
-            if own and message and self.rank:  # said by the process that met it (process 0 speaks for the rest)
-                print(f"\n{self.args.script}: process {self.rank}: {message}", file=sys.stderr, flush=True)
-        if exc_type is None and self.world_size > 1:  # every process finished: the collectives in flight end
-            code, message = self.meet_at_the_end()
-        if not code and self.deferred:  # a signal while the finished run wrote its files, or since
-            code, message = EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
-        self.let_go()
-        self.say(message and f"\n{self.args.script}: {message}", to=sys.stderr)
-        self.end(code, error if code is None else None)
+    @contextlib.contextmanager
+    def signals_noted(self):
+        """A signal meanwhile is noted, and raised once the block is done (not where it fails: its error is said)."""
+        self.noting = True
+        try:
+            yield
+        finally:
+            self.noting = False
+        if self.noted:
+            self.signum, self.noted = self.noted, None
+            raise KeyboardInterrupt
+
+    def __exit__(self, exc_type, error, tb):
+        """How the run ended, in one line and an exit code (a finished run says nothing more); then every change the
+        run made is undone, however it ended. An error nothing explains leaves the block with its traceback."""
+        self.noting = True  # a signal from here on is noted, said below
+        distributed = torch.distributed.is_initialized()
+        gloo = distributed and torch.distributed.get_backend() == "gloo"
+        try:
+            line, code = self.ending(error)
+            if code == 0 and distributed:  # every process finished: the collectives in flight end
+                line, code = self.meet_at_the_end()
+            if code == 0 and self.noted:  # a signal as the finished run wrote its files, or since
+                line, code = self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
+            self.say_the_end(line, error)
+            if code == 0 and distributed:
+                torch.distributed.destroy_process_group()  # as torchtitan: only where every process met at the end
+        finally:
+            self.undo.close()  # the folder let go of, then the process as found, Python's handlers last
+        if code == 0 and self.noted:  # a signal as the run handed back: its line and code all the same
+            line, code = self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
+            self.say_the_end(line, error)
+        unexplained = line is None and not isinstance(error, (SystemExit, KeyboardInterrupt, type(None)))
+        if gloo:
+            end_this_process(code, error if unexplained or not isinstance(code, int) else None)
+        if unexplained or not isinstance(code, int):
+            return False  # Python's own: the traceback, or SystemExit's message, exit 1
         if code:
             raise SystemExit(code) from None
-        return False  # finished (0), or an error nobody can act on but by reading its traceback (None)
+        return False
+
+    def ending(self, error):
+        """(the line, the exit code) of how the block was left: finished (None, 0); interrupted; a known error; a
+        SystemExit, whose line was said (None, its code: sys.exit() is 0); an error only its traceback explains."""
+        if error is None:
+            return None, 0
+        if isinstance(error, KeyboardInterrupt):
+            return self.interrupted_line(self.signum), EXIT_ON_SIGNAL[self.signum]
+        if isinstance(error, SystemExit):
+            return None, 0 if error.code is None else error.code
+        return explain(error, self.args, self.rank, self.world_size, self.last) or (None, 1)
+
+    def say_the_end(self, line, error):
+        """Process 0 says how the run ended; another process says an error of its own (not a lost peer's)."""
+        own = error is not None and not isinstance(error, KeyboardInterrupt) and not lost_peer(self.world_size, error)
+        if line and self.rank == 0:
+            print(f"\n{self.args.script}: {line}", file=sys.stderr, flush=True)
+        elif line and own:
+            print(f"\n{self.args.script}: process {self.rank}: {line}", file=sys.stderr, flush=True)
 
     def meet_at_the_end(self):
-        """(0, None) once every process has finished; a signal meanwhile ends the wait with its code and line, and a
-        process that never comes with exit 3 after MEET_WITHIN seconds. The wait is torch's barrier, started and
-        then polled, so that Python's signal handlers run while it waits (a blocking one runs none until it ends)."""
-        met, deadline = torch.distributed.barrier(async_op=True), time.monotonic() + MEET_WITHIN
+        """(None, 0) once every process has finished; a signal meanwhile, or no other process within MEET_WITHIN s: its
+        line and code. torch's barrier, started and then polled: a blocking one would run no signal handler."""
+        met = torch.distributed.barrier(async_op=True)
         assert met is not None, "barrier(async_op=True) returns its work"
+        finished = f"the run finished: its record is in {self.args.results}"
+        deadline = time.monotonic() + MEET_WITHIN
         while not met.is_completed():
-            if self.deferred:
-                return EXIT_ON_SIGNAL[self.deferred], self.interrupted_line(self.deferred)
+            if self.noted:
+                return self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
             if time.monotonic() > deadline:
                 lost = f"another process did not reach the run's end within {MEET_WITHIN} s (lost, or stuck)"
-                return 3, f"error: {lost}; the run finished: its record is in {self.args.results}."
+                return f"error: {lost}; {finished}.", 3
             time.sleep(0.01)
         try:
             met.wait()  # raises where the barrier failed: a process was lost after it finished
         except RuntimeError as err:
-            lost = f"a process of the run was lost at its end ({first_line(err, 160)})"
-            return 3, f"error: {lost}; the run finished: its record is in {self.args.results}."
-        return 0, None
+            return f"error: a process of the run was lost at its end ({first_line(err, 160)}); {finished}.", 3
+        return None, 0
 
-    def end(self, code, error=None):
-        """Hands back: the process group destroyed where every process met at the end, the interpreter as found
-        (Python's handlers again, for a prompt, a notebook, a debugger). A run of processes that did not meet (a
-        signal, an error: a collective may be open, which destroying the group, or Lightning's exit handler that
-        does, would wait for on NCCL) ends its process here, after the traceback of an `error`; one that met ends
-        it after the exit handlers (config.PROCESS_END)."""
-        distributed = torch.distributed.is_initialized()
-        if distributed and code == 0:
-            torch.distributed.destroy_process_group()
-        self.args.as_found.put_back(guard=code is not None)  # after a traceback, Ctrl-C ends it as in any program
-        if distributed and code != 0:
-            if error is not None:
-                print_exception(error)
-            end_process(1 if code is None else code)
-        if distributed:
-            PROCESS_END["code"] = 0
-
-    def let_go(self):
-        """The folder let go of, and removed if nothing of the run is left in it."""
-        if self.lock:
-            self.lock.release()
-            self.lock = None
-            top = self.folder.parent if self.args.checkpoint_dir_is_default else self.folder
-            for folder in (self.folder, top):
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
-
-    def say(self, *lines, to=None):  # on global rank 0 only (fabric.print prints once per machine)
+    def say(self, *lines, to=None):
+        """Each line that is not None, on process 0 only (fabric.print prints once per machine)."""
         for line in lines:
             if line and self.rank == 0:
                 print(line, file=to or sys.stdout, flush=True)
 
-    def agree(self, action):
-        """`action` here; where it failed in any process, every one exits with the highest code (the failing one
-        said why)."""
-        code, result = 0, None
+    def agree(self, action, *args):
+        """`action(*args)`; where it failed in any process, all exit with the highest code (that one said why)."""
+        code = 0
+        result = None
         try:
-            result = action()
-        except SystemExit as stop:
-            code = stop.code if isinstance(stop.code, int) else 1
-        if self.fabric and self.world_size > 1:
+            result = action(*args)
+        except SystemExit as stop:  # fail()'s line was said
+            code = int(stop.code or 0)
+        if self.world_size > 1:
             failed = int(reduced(self.fabric, code, "max"))
             if failed and not code:
                 why = f"process {self.rank} of {self.world_size} stops too: another process could not go on"
-                why += " (its line says why)."
-                print(f"{self.args.script}: error: {why}", file=sys.stderr, flush=True)
+                print(f"{self.args.script}: error: {why} (its line says why).", file=sys.stderr, flush=True)
             code = failed
         if code:
             raise SystemExit(code)
         return result
 
-    def claim_folder(self):
-        """Process 0 locks the folder; all read whether the run continues the one in it: why a launcher restarted
-        it, or None."""
-        if self.rank == 0:
-            self.lock = FolderLock(self.folder)
-            for leftover in [*self.folder.glob("*.tmp"), *self.folder.glob(f"{FAILED}*")]:  # a write cut off, a note
-                remove(leftover)
-        exists, latest, c = (self.folder / LATEST).exists(), read_json(self.folder / LATEST) or {}, self.args
-        restart = restart_reason(latest)
-        if exists and not c.resume and not restart:
-            continuing = f"continue it with: {resume_command(latest.get('flags'))}; or {elsewhere(self.folder)}"
-            continuing += f"; or {start_over(self.folder, c.checkpoint_dir_is_default)}"
-            fail(f"{self.folder} holds the checkpoint of an unfinished run: {continuing}")
-        if c.resume and not exists:
-            others = sorted(self.folder.parent.glob(f"{Path(c.script).stem}*/{LATEST}"))
-            hint = [
-                f"{p.parent} holds one: continue it with {resume_command((read_json(p) or {}).get('flags'))}."
-                for p in others
-            ]
-            hint += ["Every machine must see it (--checkpoint-dir)."] if c.num_nodes > 1 else []
-            fail(" ".join([f"--resume: nothing to resume in {self.folder} (no {LATEST}).", *hint]))
-        return restart
+    def start(self, fabric=None):
+        """In each of the run's processes: process 0 takes the checkpoint folder (where any process cannot go on, none
+        does); each says who started it; process 0 the precision that runs instead, and a launcher's restart."""
+        if fabric is not None:
+            self.fabric = fabric
+            self.rank = fabric.global_rank
+            self.world_size = fabric.world_size
+        self.agree(self.take_the_folder)
+        print(opening_line(fabric, self.rank, self.world_size), flush=True)
+        self.say(fallback_line(self.args))
+        if self.args.restart:
+            self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
-    def keep_in_checkpoints(self, scheduler):  # a learning-rate scheduler, in each checkpoint
-        self.scheduler = scheduler
+    def take_the_folder(self):
+        """Process 0 holds the folder's lock while the run runs, and lets go of it as the block is left."""
+        if self.rank == 0:
+            with self.signals_noted():  # the lock taken and its letting go set beside it, as one step
+                ours = [self.folder, self.folder.parent] if self.args.checkpoint_dir_is_default else []
+                lock = FolderLock(self.folder, ours)
+                self.undo.callback(lock.release)
+            for leftover in self.folder.glob("*.tmp"):  # a write cut off
+                remove(leftover)
+
+    def keep_in_checkpoints(self, *kept):
+        """What checkpoints keep too, restored in order by --resume: anything with state_dict(), load_state_dict()."""
+        self.kept_too += kept
 
     def resume(self, model, optimizer, train_loader):
-        """Before training; with --resume (or a launcher's restart), the last checkpoint's state and the loader's
-        order."""
-        self.model, self.optimizer, self.batches_per_epoch = model, optimizer, len(train_loader)
-        self.init = getattr(model, "init", "random init")  # local_utilities.build_vit notes it
-        self.say(kind_line(self.args, self.init) if self.args.kind else None)
-        self.cpu_at_start = cpu_times()  # the computing thread's waits count from here
-        if self.fabric and self.world_size > 1:  # what each process holds: the shards made visible
-            held = torch.zeros(self.world_size, dtype=torch.float64)
-            held[self.rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-            held = ", ".join(f"{int(n):,}" for n in reduced(self.fabric, held, "sum"))
-            self.say(f"Parameters held per process: {held} of {sum(p.numel() for p in model.parameters()):,}")
-        if self.resuming:
-            rng = self.agree(self.load_checkpoint)
-            if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch from the
-                for _ in range(self.start_epoch):  # times it was iterated
-                    next(iter(train_loader), None)
-            torch.set_rng_state(rng)  # after those: each iteration draws a seed from it
+        """Before training: says what runs; with --resume or a restart, loads the last checkpoint, sets the loader."""
+        self.model = model
+        self.optimizer = optimizer
+        self.batches_per_epoch = len(train_loader)
+        self.init = getattr(model, "init", "random init")  # build_vit notes it; Fabric's wrapper passes it through
+        if self.args.kind:
+            self.say(kind_line(self.args, self.init))
+        if self.world_size > 1:
+            self.say(parameters_held(self.fabric, model))
+        if self.args.resume or self.args.restart:
+            rng = self.agree(self.load_last_checkpoint)
+            if self.world_size > 1:
+                skip_the_finished_epochs(train_loader, self.start_epoch)
+            torch.set_rng_state(rng)  # after those: each pass over the loader draws a seed from it
             self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.args.epochs} epochs done.")
+        self.cpu_at_start = cpu_times()  # the computing thread's waits count from here
         self.started = time.perf_counter()  # the loop starts now
 
     def batch_done(self, loss, batch_size):
-        """After each batch, without waiting for the GPU: the epoch's loss sum, checked every PRINT_EVERY
-        batches, and the timing of the steps after the first WARMUP_STEPS and each epoch's first."""
+        """After each batch, without waiting for the GPU: the epoch's loss sum and its first batch whose loss is not
+        finite, kept on the device, checked every PRINT_EVERY batches (where the lesson prints its loss and waits for
+        the device anyway) and as the epoch ends; then the step timed."""
         loss = loss.detach().float()
-        if self.epoch_loss is None:  # the epoch's loss sum, and its first batch whose loss is not finite
-            self.epoch_loss, self.first_bad = torch.zeros_like(loss), torch.full_like(loss, -1)
+        if self.epoch_loss is None:  # the epoch's first batch
+            self.epoch_loss = torch.zeros_like(loss)
+            self.first_bad = torch.full_like(loss, -1)
             self.epoch_lr = self.optimizer.param_groups[0]["lr"]  # the rate the epoch starts at
         self.epoch_loss = self.epoch_loss + loss
         good = torch.isfinite(self.epoch_loss) | (self.first_bad >= 0)
         self.first_bad = torch.where(good, self.first_bad, self.batch_in_epoch)
         self.batch_in_epoch += 1
         if self.batch_in_epoch % PRINT_EVERY == 1:
-            self.check_loss()
+            self.check_loss()  # a sum that was not finite stays so, and the epoch's end checks it too
+        self.time_the_step(batch_size)
+
+    def time_the_step(self, batch_size):
+        """Images and seconds of each epoch's steps but its first, from the WARMUP_STEPS-th; on a GPU, peak memory."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -276,11 +315,13 @@ class RunKeeper:
                 self.timed_images += self.epoch_images
                 self.timed_seconds += self.now() - self.epoch_timer
         elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
-            self.epoch_timer, self.epoch_images = self.now(), 0
+            self.epoch_timer = self.now()
+            self.epoch_images = 0
             if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
-                torch.cuda.reset_peak_memory_stats()  # the steady state's peak, not start-up's
+                torch.cuda.reset_peak_memory_stats()
 
-    def now(self):  # once the device has done what it was given
+    def now(self):
+        """The time, once the device has done what it was given."""
         if self.args.accelerator == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
@@ -288,7 +329,7 @@ class RunKeeper:
     def check_loss(self):
         """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
         first = torch.where(self.first_bad >= 0, self.first_bad, float("inf"))  # this process's first bad batch
-        bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")  # reduced in place
+        bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")
         if bad < float("inf"):
             value = f"{self.epoch_loss:g}" if first == bad else "not finite in another process"
             where = f"at epoch {len(self.train_loss) + 1}, batch {int(bad)}"
@@ -301,46 +342,46 @@ class RunKeeper:
         self.check_loss()
         assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
         mean_loss = self.epoch_loss / self.batch_in_epoch
-        if self.fabric:
+        if self.world_size > 1:
             mean_loss = reduced(self.fabric, mean_loss, "mean")
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
-        self.epoch_loss, self.epoch_timer, self.batch_in_epoch = None, None, 0
+        self.epoch_loss = None
+        self.epoch_timer = None
+        self.batch_in_epoch = 0
         if self.args.synthetic and len(self.train_loss) == self.args.epochs:
             return  # a synthetic run measures: after its last epoch nothing is left to continue
         self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
         began = time.perf_counter()
         self.agree(self.save_checkpoint)
         self.checkpoint_s.append(time.perf_counter() - began)
-        if self.args.accelerator == "cpu":  # a write's copy of the state is not training's memory:
-            with open("/proc/self/clear_refs", "w") as f:  # the peak resident memory starts again
-                f.write("5")
 
     def timed_totals(self):
-        """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, and those before a
-        --resume."""
-        images, seconds = float(self.timed_images), self.timed_seconds
-        if self.fabric and self.world_size > 1:
+        """All processes' timed images (a tensor-parallel group's once), the slowest's seconds, and those before."""
+        images = float(self.timed_images)
+        seconds = self.timed_seconds
+        if self.world_size > 1:
             images = float(reduced(self.fabric, images, "sum")) * self.args.data_parallel / self.world_size
             seconds = float(reduced(self.fabric, seconds, "max"))
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
-    def save_checkpoint(self):
-        c, done = self.args, len(self.train_loss)
-        name = f"epoch-{done:04d}.ckpt"
-        final, partial = self.folder / name, self.folder / (name + ".tmp")
+    def progress(self):
+        """What a checkpoint keeps of the run's figures and timing."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
-        progress: dict[str, Any] = dict(epochs_done=done, train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
-        progress |= {
-            "train_time_s": train_time_s,
-            "timed_images": images,
-            "timed_seconds": seconds,
-            "peak_gb": self.peak_gb,
-        }
-        state = {"model": self.model, "optimizer": self.optimizer, "progress": progress, "rng": torch.get_rng_state()}
-        state |= {"scheduler": self.scheduler} if self.scheduler else {}
+        figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
+        timing = dict(train_time_s=train_time_s, timed_images=images, timed_seconds=seconds, peak_gb=self.peak_gb)
+        return figures | timing
+
+    def save_checkpoint(self):
+        """The checkpoint of the epochs done, written beside its name, then renamed into place and named in latest.json
+        as one step that a signal waits for; the one before is removed. A failed write: one line, exit 1."""
+        done = len(self.train_loss)
+        name = f"epoch-{done:04d}.ckpt"
+        final, partial = self.folder / name, self.folder / (name + ".tmp")  # its name, and the name it is written as
+        state = {"model": self.model, "optimizer": self.optimizer, "progress": self.progress()}
+        state |= {"rng": torch.get_rng_state()} | {f"kept_{i}": kept for i, kept in enumerate(self.kept_too)}
         go_on = f"continue with: {resume_command()}" if self.last else f"start again with: {invoked(*started_flags())}"
         kept = f"the last good checkpoint ({self.last}) is untouched" if self.last else "no checkpoint was written yet"
         kept += f": once there is room, {go_on}"
@@ -348,21 +389,17 @@ class RunKeeper:
             if self.fabric:
                 self.fabric.save(partial, state)
             else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
-                plain = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-                plain |= {"scheduler": self.scheduler.state_dict()} if self.scheduler else {}
-                write_whole(partial, plain | {"progress": progress, "rng": state["rng"]})
-            on_signals(self.defer_signal)  # the checkpoint named whole: the interruption line is true at any moment
-            if self.rank == 0:
-                os.replace(partial, final)
-                launch = {k.lower(): os.environ.get(k) for k in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}  # a restart's
-                latest = {"checkpoint": name, "epochs_done": done, "script": c.script, "kind": c.kind, "launch": launch}
-                latest |= {"settings": {key: getattr(c, key) for key in SETTINGS} | c.own, "flags": started_flags()}
-                write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
-            self.last, self.kept = final, done
-            if self.rank == 0:
-                for older in self.folder.glob("epoch-*.ckpt"):
-                    if older.name != name:
-                        remove(older)
+                plain = {key: value.state_dict() for key, value in state.items() if key not in ("progress", "rng")}
+                write_whole(partial, plain | {"progress": state["progress"], "rng": state["rng"]})
+            with self.signals_noted():  # the checkpoint named whole, the one before removed, as one step
+                if self.rank == 0:
+                    os.replace(partial, final)
+                    write_atomically(self.folder / LATEST, json.dumps(self.latest(name)).encode(), then=kept)
+                    for older in self.folder.glob("epoch-*.ckpt"):
+                        if older.name != name:
+                            remove(older)
+                self.last = final
+                self.kept = done
         except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
             if lost_peer(self.world_size, err):
                 raise  # not the disk: a process of the run is gone (explain says so)
@@ -371,163 +408,193 @@ class RunKeeper:
             full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
-        finally:
-            on_signals(self.on_signal)
-            if self.deferred:  # a signal while the checkpoint was named: acted on now
-                self.signum, self.deferred = self.deferred, None
-                raise KeyboardInterrupt
 
-    def load_checkpoint(self):
-        latest, c = read_json(self.folder / LATEST), self.args
-        afresh = start_over(self.folder, c.checkpoint_dir_is_default)
-        if not isinstance(latest, dict):
-            fail(f"--resume: {self.folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {afresh}")
-        path, saved = self.folder / str(latest.get("checkpoint")), latest.get("settings") or {}
-        mine = {"script": c.script, "kind": c.kind, **{key: getattr(c, key) for key in SETTINGS}, **c.own}
-        theirs = {"script": latest.get("script"), "kind": latest.get("kind"), **saved}
-        differences = [f"{key} {theirs.get(key)} (now {v})" for key, v in mine.items() if theirs.get(key) != v]
-        as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
-        if differences:
-            made = f"the checkpoint in {self.folder} was made with {', '.join(differences)}"
-            fail(f"--resume: {made}; {as_started}; or {elsewhere(self.folder)}")
+    def latest(self, name):
+        """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
+        c = self.args
+        launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
+        settings = {key: getattr(c, key) for key in SETTINGS} | c.own
+        made = {"script": c.script, "kind": c.kind, "settings": settings, "flags": started_flags(), "launch": launch}
+        return {"checkpoint": name, "epochs_done": len(self.train_loss)} | made
+
+    def load_last_checkpoint(self):
+        """latest.json's checkpoint into the model, optimizer and what else it keeps; returns torch's RNG state then."""
+        latest = read_json(self.folder / LATEST) or {}
+        path = self.folder / str(latest.get("checkpoint"))
+        # what to restore in place (Fabric's load fills progress and rng in from the checkpoint)
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
-        state |= {"scheduler": self.scheduler} if self.scheduler else {}
+        state |= {f"kept_{i}": kept for i, kept in enumerate(self.kept_too)}
         try:
             if self.fabric:
-                self.fabric.load(path, state)  # restores the model, optimizer and scheduler in place
+                self.fabric.load(path, state)  # restores the model, optimizer and what else it keeps, in place
             else:
-                state = torch.load(path, map_location="cpu", weights_only=True)
-                for key in ["model", "optimizer"] + (["scheduler"] if self.scheduler else []):
-                    getattr(self, key).load_state_dict(state[key])
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+                for key in [k for k in state if k not in ("progress", "rng")]:
+                    state[key].load_state_dict(saved[key])
+                state |= {"progress": saved["progress"], "rng": saved["rng"]}
         except Exception as err:  # a truncated or foreign file fails in many ways
             why = why_unloadable(err)
             if "damaged" in why or "not a file" in why:
-                fail(f"--resume: cannot load {path} ({why}); {afresh}")
-            other = "it was made by another script or version"
-            fail(f"--resume: {path} does not fit what this script builds ({why}): {other}; {as_started}")
-        progress, self.last = state["progress"], path
+                fail(f"--resume: cannot load {path} ({why}); {start_over(self.args)}")
+            as_started = resume_command(latest.get("flags"))
+            other = f"it was made by another script or version; continue it as started: {as_started}"
+            fail(f"--resume: {path} does not fit what this script builds ({why}): {other}")
+        progress = state["progress"]
+        self.last = path
         self.start_epoch = self.kept = progress["epochs_done"]
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
-        self.earlier, self.peak_gb = {key: progress[key] for key in self.earlier}, progress.get("peak_gb", 0.0)
+        self.earlier = {key: progress[key] for key in self.earlier}
+        self.peak_gb = progress.get("peak_gb", 0.0)
         return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        on_signals(self.defer_signal)  # all or nothing: a signal waits until the files are written
-        c, test_acc = self.args, None if self.args.synthetic else test_acc
+        self.noting = True  # all or nothing: a signal waits until the files are written, and is said as the run ends
+        c = self.args
+        test_acc = None if c.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
-        peak, waited = max(self.peak_gb, peak_memory_gb(c.accelerator)), waiting_share(self.cpu_at_start)
-        if self.fabric and self.world_size > 1:
+        peak = max(self.peak_gb, peak_memory_gb(c.accelerator))
+        waited = waiting_share(self.cpu_at_start)
+        if self.world_size > 1:
             peak, waited = map(float, reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max"))
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
-        untimed = f"a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed"
-        untimed = f"Throughput not measured ({untimed})"
-        lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {peak:.02f} GB"]  # the talk's, then ours
-        lines += [f"Throughput {images_per_s:.1f} training images/s" if images_per_s else untimed]
-        lines += ["Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%"]
-        written = (
-            f"Checkpoints: {len(self.checkpoint_s)} written in {sum(self.checkpoint_s):.1f} s, not in the time above"
-        )
-        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program"
-        busy += " was using the cores): its time and throughput are not comparable"
-        self.say(*lines, written if self.checkpoint_s else None, busy if waited > BUSY_WAIT else None)
+        self.say(*closing_lines(train_time_s, peak, images_per_s, test_acc, self.checkpoint_s, waited))
         measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s, peak_memory_gb=round(peak, 4))
         measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if c.synthetic else self.val_acc)
         cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # what the machine's load does not change
         measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
-
-        def keep():
-            if self.rank == 0:
-                if c.synthetic:
-                    again = invoked(*started_flags())
-                    kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {again}"
-                else:
-                    kept = f"the checkpoint of the finished training is kept in {self.folder}"
-                    kept += f": finish with: {resume_command()}"
-                write_atomically(c.save_model, state, then=kept)
-                compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
-                record = build(c, self.fabric, compiled, measured)
-                append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
-                for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
-                    remove(checkpoint)
-                cut_short = f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; plot_results.py and 08 leave"
-                cut_short += " it out unless asked."
-                self.say(kind_line(c, self.init) if c.kind else None, None if c.whole else cut_short)
-                self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
-
-        self.agree(keep)
+        # torch.compile's wrapper, by the name of its class (torch keeps it in a private module)
+        compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
+        self.agree(self.write_the_results, state, build(c, self.fabric, compiled, measured))
         self.finished = True
 
+    def write_the_results(self, state, record):
+        """Process 0 writes the model file and record, then drops the checkpoints; a failed write names what is kept."""
+        if self.rank:
+            return
+        c = self.args
+        if c.synthetic:
+            again = invoked(*started_flags())
+            kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {again}"
+        else:
+            kept = f"the checkpoint of the finished training is kept in {self.folder}: finish with: {resume_command()}"
+        write_atomically(c.save_model, state, then=kept)
+        append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
+        for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
+            remove(checkpoint)
+        if c.kind:
+            self.say(kind_line(c, self.init))
+        if not c.whole:
+            out = "plot_results.py and 08 leave it out unless asked"
+            self.say(f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; {out}.")
+        self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
+
     def interrupted_line(self, signum):
-        name, c = signal.Signals(signum).name, self.args
+        name = signal.Signals(signum).name
+        c = self.args
         if self.finished:
             where = f"its record is in {c.results} and its model in {c.save_model}"
             return f"interrupted ({name}) after the run finished: {where}."
-        trained, batches, losing = len(self.train_loss), self.batch_in_epoch, ""
+        if not self.started:  # training has not begun
+            kept = f"{self.folder} is as it was: continue with: {resume_command()}" if c.resume or c.restart else None
+            return f"interrupted ({name}) while starting; {kept or 'nothing was written.'}"
+        trained = len(self.train_loss)
+        losing = ""
         if trained > self.kept:  # between an epoch's end and its checkpoint's name in latest.json
             losing = f"; epoch {trained}, whose checkpoint was being written, is not kept"
-        elif batches:
-            losing = f"; the {batches} batches of epoch {trained + 1} trained since are not kept"
+        elif self.batch_in_epoch:
+            losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
             held = f"the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
 
-def start_over(folder, default_folder):
-    """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
-    parent = f" && rmdir {shlex.quote(str(folder.parent))} 2>/dev/null" if default_folder else ""
-    return f"start over with: rm -rf {shlex.quote(str(folder))}{parent}; {invoked(*started_flags())}"
+def put_back_environment(found):
+    """os.environ as `found`: what the run added removed, what it changed or removed set again."""
+    for name in set(os.environ) - set(found):
+        del os.environ[name]
+    os.environ.update(found)
 
 
-def elsewhere(folder):
-    """The command that starts this run in a folder of its own, the checkpoint in `folder` left as it is."""
-    number = next(n for n in range(2, 10**6) if not Path(f"{folder}-{n}").exists())
-    flags, skip = [], False
-    for flag in started_flags():  # all but an earlier --checkpoint-dir
-        if not skip and not flag.startswith("--checkpoint-dir"):
-            flags.append(flag)
-        skip = flag == "--checkpoint-dir"
-    return f"start this one in a folder of its own: {invoked(*flags, '--checkpoint-dir', f'{folder}-{number}')}"
+def end_this_process(code, error=None):
+    """Ends a process of a run on gloo (the CPU) at once, after `error`'s traceback: never in the interpreter's
+    teardown, where gloo's worker threads may still let go of a collective's tensor, whose Python object then aborts
+    the process ("terminate called without an active exception": pytorch/pytorch#190489). No code after the block,
+    no exit handler runs in it (docs/run-keeping.md)."""
+    if isinstance(error, SystemExit):
+        print(error.code, file=sys.stderr)
+        code = 1
+    elif error is not None:
+        traceback.print_exception(error)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a full disk: nothing more to say
+            stream.flush()
+    os._exit(code)
 
 
-def note_failure(folder, rank, world_size):
-    """A file in the run's folder (every machine sees it) that names this process as failed with an error."""
-    try:
-        (folder / f"{FAILED}{rank}").write_text(f"process {rank} of {world_size}\n")
-    except OSError:
-        pass  # the others then say that a process was lost
+def parameters_held(fabric, model):
+    """A line of the parameters each process holds (the shards FSDP2 and tensor parallelism leave it); a collective."""
+    held = torch.zeros(fabric.world_size, dtype=torch.float64)
+    held[fabric.global_rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    each = ", ".join(f"{int(n):,}" for n in reduced(fabric, held, "sum"))
+    return f"Parameters held per process: {each} of {sum(p.numel() for p in model.parameters()):,}"
+
+
+def skip_the_finished_epochs(train_loader, epochs):
+    """The order of the epoch a resumed run of processes starts at: Fabric's loader sets its distributed sampler's epoch
+    to how many times it was iterated (lightning/fabric/wrappers.py), so each finished epoch is iterated once."""
+    for _ in range(epochs):
+        next(iter(train_loader), None)
+
+
+def closing_lines(train_time_s, peak, images_per_s, test_acc, checkpoint_s, waited):
+    """The talk's closing lines (time, memory), then ours: throughput, test accuracy, checkpoints, a busy machine."""
+    lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {peak:.02f} GB"]
+    if images_per_s:
+        lines.append(f"Throughput {images_per_s:.1f} training images/s")
+    else:
+        untimed = f"a run's first {WARMUP_STEPS} optimizer steps and each epoch's first are not timed"
+        lines.append(f"Throughput not measured ({untimed})")
+    lines.append("Synthetic data: no accuracy" if test_acc is None else f"Test accuracy {test_acc * 100:.2f}%")
+    if checkpoint_s:
+        lines.append(f"Checkpoints: {len(checkpoint_s)} written in {sum(checkpoint_s):.1f} s, not in the time above")
+    if waited > BUSY_WAIT:
+        busy = f"BUSY: this run waited for a CPU core {waited:.0%} of the time it was ready to run (another program"
+        lines.append(busy + " was using the cores): its time and throughput are not comparable")
+    return lines
 
 
 def explain(error, args, rank, world_size, last_checkpoint):
     """(one line, exit code) for an error a user can act on (flags-records-exit-codes.md), or None."""
-    reason, lost = first_line(error) or type(error).__name__, lost_peer(world_size, error)
+    reason = first_line(error) or type(error).__name__
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
         while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
             error = getattr(error, "inner_exception", None) or error.__cause__
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
             needs = "a C++ compiler (install g++)"
-            needs = "Triton and a C compiler (install gcc)" if args.accelerator == "cuda" else needs
+            if args.accelerator == "cuda":
+                needs = "Triton and a C compiler (install gcc)"
             return f"error: torch.compile could not compile the model ({reason}): here it needs {needs}, {without}.", 2
         return f"error: torch.compile failed ({type(error).__name__}: {first_line(error)}); {without}.", 1
     if isinstance(error, torch.OutOfMemoryError):
         oom = f"the GPU ran out of memory at --batch-size {args.batch_size} ({first_line(reason, 160)})"
         return f"error: {oom}: try a smaller --batch-size.", 1
-    failed = sorted(Path(args.checkpoint_dir).glob(f"{FAILED}*")) if lost else []
-    if failed:  # not lost: a process failed with an error, and said it in its traceback
-        which = " and ".join(f.read_text().strip() for f in failed)  # left for the others; the next start clears them
-        return f"error: {which} failed with an error (its traceback says which). Process {rank} stops too.", 1
+    lost = lost_peer(world_size, error)
     if lost:
         peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))
         which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
-        go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every machine is back"
-        go_on = go_on if last_checkpoint else "no checkpoint was written yet: start it again"
-        lost_line = f"a process of the run was lost{which}: a machine died, or a process was killed ({lost.group(0)})"
-        return f"error: {lost_line}. Process {rank} of {world_size} stops too; {go_on}.", 3
+        if last_checkpoint:
+            go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every process can"
+        else:
+            go_on = "no checkpoint was written yet: start it again"
+        how = f"it was lost (a machine died, a process was killed) or it failed (its own output says which; {lost[0]})"
+        stops = f"Process {rank} of {world_size} stops too; {go_on}"
+        return f"error: a process of the run stopped{which}: {how}. {stops}.", 3
     return None
 
 
@@ -536,43 +603,48 @@ def lost_peer(world_size, error):
 
 
 class FolderLock:
-    """A run's hold on its folder: an flock on its .lock, which names the holder for a run it refuses."""
+    """A run's hold on its folder: an flock on its .lock, which names the holder. Released, it removes the folders it
+    made and the run's own (`ours`), where nothing is left in them, never another (a --checkpoint-dir given stays)."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, ours=()):
         self.path = Path(folder) / ".lock"
+        made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]  # deepest first
+        self.made = list(dict.fromkeys([*made, *ours]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip() or "another process"
+                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip()
                 os.close(self.fd)
-                fail(f"a run is in progress in {folder} ({holder}): wait, or give this one another --checkpoint-dir.")
+                self.release_folders()
+                fail(in_progress(folder, holder))
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it
             os.close(self.fd)
         since = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
-        os.ftruncate(self.fd, 0)  # exactly this holder's line, however long the last one's was
-        os.pwrite(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)  # exactly this holder's line, however long the last one's was
+            os.pwrite(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
+        except BaseException:  # a full disk, say: nothing held
+            self.release()
+            raise
 
     def release(self):
-        remove(self.path)
+        self.path.unlink(missing_ok=True)
         os.close(self.fd)
+        self.release_folders()
+
+    def release_folders(self):
+        for folder in self.made:
+            if folder.is_dir() and not any(folder.iterdir()):
+                folder.rmdir()
 
 
 def reduced(fabric, value, op):
     """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given)."""
-    result = fabric.all_reduce(torch.as_tensor(value), reduce_op=op)
-    assert isinstance(result, torch.Tensor)
-    return result
-
-
-def read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+    return torch.as_tensor(fabric.all_reduce(torch.as_tensor(value), reduce_op=op))
 
 
 def remove(path):
@@ -580,17 +652,6 @@ def remove(path):
         shutil.rmtree(path)
     else:
         Path(path).unlink(missing_ok=True)
-
-
-def restart_reason(latest):
-    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM, torchrun), or None."""
-    env, launch = os.environ, latest.get("launch") or {}
-    slurm, torchrun = int(env.get("SLURM_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if slurm and env.get("SLURM_JOB_ID") == launch.get("slurm_job_id"):
-        return f"SLURM requeued job {env['SLURM_JOB_ID']} (restart {slurm})"
-    if torchrun and env.get("TORCHELASTIC_RUN_ID") == launch.get("torchelastic_run_id"):
-        return f"torchrun restarted its workers (restart {torchrun})"
-    return None
 
 
 def cpu_times():
@@ -603,11 +664,14 @@ def cpu_times():
 
 def waiting_share(since):
     """The share of its ready time since `since` (cpu_times) the thread waited for a core."""
-    ran, waited = (now - then for now, then in zip(cpu_times(), since))
+    ran_now, waited_now = cpu_times()
+    ran = ran_now - since[0]
+    waited = waited_now - since[1]
     return waited / (waited + ran) if waited + ran > 0 else 0.0
 
 
 def opening_line(fabric, rank, world_size):
+    """Who started this process: SLURM, torchrun, Lightning's launcher, or nobody."""
     env = os.environ
     cluster = type(fabric.strategy.cluster_environment).__name__ if world_size > 1 else None
     by = "Lightning, which started this machine's processes itself" if world_size > 1 else None
@@ -616,8 +680,8 @@ def opening_line(fabric, rank, world_size):
     elif cluster == "TorchElasticEnvironment":
         by = f"torchrun (node {env.get('GROUP_RANK', '0')}, local rank {env.get('LOCAL_RANK')})"
     if env.get("SLURM_JOB_NAME") in SLURM_INTERACTIVE_JOBS and cluster != "SLURMEnvironment":
-        job, name = env.get("SLURM_JOB_ID"), env["SLURM_JOB_NAME"]
-        by = (by or "you") + f", inside SLURM job {job}, whose name {name!r} makes Lightning ignore SLURM"
+        by = (by or "you") + f", inside SLURM job {env.get('SLURM_JOB_ID')}, whose name {env['SLURM_JOB_NAME']!r}"
+        by += " makes Lightning ignore SLURM"
     return f"Process {rank} of {world_size}, started by {by}." if by else "One process, started without a launcher."
 
 

@@ -1,16 +1,19 @@
 """Reading a run's outputs back, for 08 and the tools: the records of a --results file (read_runs
 brings an older record up to this version), the record that saved a model file, and the model file
-itself, each with one line for what is wrong with it.
+itself, each with one line for what is wrong with it; and a tool's run (tool_run).
 """
 
+import contextlib
 import csv
 import functools
 import json
 import shlex
+import signal
+import sys
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
 
-from run_keeping.config import fail, read_script
+from run_keeping.config import EXIT_ON_SIGNAL, fail, read_script
 from run_keeping.record import VERSION, why_unloadable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +35,8 @@ def lesson_rows():
     found = [(number, row) for (number, _), row in zip(lines[1:], rows)]
     for number, row in found:
         if None in row or None in row.values():  # csv's marks of a field too many, or too few
-            more, header = "more" if None in row else "fewer", len(rows.fieldnames or [])
+            more = "more" if None in row else "fewer"
+            header = len(rows.fieldnames or [])
             raise ValueError(f"lessons.csv line {number} ({row['script']}): {more} fields than the header's {header}")
     return found
 
@@ -213,7 +217,8 @@ def load_model_file(model, path):
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         fail(f"{path} is not a model file of this suite (not a state dict of tensors).")
     own = model.state_dict()
-    missing, extra = own.keys() - state.keys(), state.keys() - own.keys()
+    missing = own.keys() - state.keys()
+    extra = state.keys() - own.keys()
     shapes = sorted(k for k in own.keys() & state.keys() if own[k].shape != state[k].shape)
     if missing or extra or shapes:
         width = state.get("conv_proj.weight", torch.empty(0)).shape[:1]
@@ -231,3 +236,26 @@ def load_model_file(model, path):
     if state["heads.head.weight"].shape[0] != 10:
         fail(f"{path} has {state['heads.head.weight'].shape[0]} outputs, not 10.")
     model.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def tool_run():
+    """A tool's run (08, benchmark.py, plot_results.py, make_smoke_weights.py): Ctrl-C and SIGTERM end it in one
+    line (130, 143), and their handlers are as found however it ends."""
+    found = {signum: signal.getsignal(signum) or signal.SIG_DFL for signum in EXIT_ON_SIGNAL}
+
+    def put_back():
+        for signum, handler in found.items():
+            signal.signal(signum, handler)
+
+    def stop(signum, frame):
+        put_back()
+        print(f"\n{Path(sys.argv[0]).name}: interrupted ({signal.Signals(signum).name}).", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_ON_SIGNAL[signum])
+
+    for signum in found:
+        signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        put_back()

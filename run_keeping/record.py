@@ -11,18 +11,19 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from run_keeping.config import device_name, fail
+from run_keeping.config import fail
+from run_keeping.device import device_name
 
 VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest;
 # 5: settings by flag, data_parallel, precision_asked
 
 
 def build(args, fabric, compiled, measured):
-    """The record of a finished run, from its settings, whether torch.compile wrapped the model, and
-    what the keeper measured (train_time_s to cpu_s): reading.Record's fields, in its order."""
+    """A finished run's record: its settings, whether torch.compile wrapped the model, what the keeper measured."""
     import torch
 
-    c, ran = args, fabric.strategy.precision.precision if fabric else "32-true"
+    c = args
+    ran = fabric.strategy.precision.precision if fabric else "32-true"
     record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
     record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
     record |= {"data_parallel": c.data_parallel, "settings": c.own, "precision": ran}
@@ -35,9 +36,9 @@ def build(args, fabric, compiled, measured):
 
 
 def append_record(path, record, then=""):
-    """One JSON line appended in one write under a lock, so the file stays valid JSONL (after a
-    half-written last line too); a failed write is cut off again."""
-    line, then = (json.dumps(record) + "\n").encode(), f" {then}" if then else ""
+    """One JSON line appended in one write under a lock (the file stays JSONL); a failed write is cut off again."""
+    line = (json.dumps(record) + "\n").encode()
+    then = f" {then}" if then else ""
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o666)
@@ -78,8 +79,7 @@ def write_whole(path, data):
 
 
 def write_atomically(path, data, then="nothing else was changed"):
-    """`data` (as write_whole takes it) to `path`, written beside it and renamed into place. A failed write:
-    one line, exit 1, ending in `then` (what was kept, how to go on)."""
+    """`data` to `path`, written beside, then renamed into place; a failed write: one line ending in `then`, exit 1."""
     path = Path(path)
     partial = path.with_name(path.name + ".tmp")
     try:
@@ -96,11 +96,9 @@ def why_unloadable(error):
     text = str(error)
     if "Weights only load failed" in text:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        return (
-            f"it holds a {found.group(1)} object, not only tensors"
-            if found
-            else "it is not a file that torch.save wrote"
-        )
+        if found:
+            return f"it holds a {found.group(1)} object, not only tensors"
+        return "it is not a file that torch.save wrote"
     if "failed finding central directory" in text or "PytorchStreamReader" in text:
         return "it is cut short or damaged (not a whole file that torch.save wrote)"
     return f"{type(error).__name__}: {first_line(text)}"

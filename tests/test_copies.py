@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import ROOT, SAID, native_bf16, parse_as, run_script, script_env
-from run_keeping.config import fallback_line
+from run_keeping.device import fallback_line
 
 LESSONS = [script for script in SAID if script[:2] != "08"]  # 08 loads a model; it has no lesson's run
 SHARED = ("local_utilities.py", "parallelize.py", "run_keeping", "smoke_weights")

@@ -127,6 +127,8 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         model = lu.build_vit(None, args)
         optimizer = torch.optim.Adam(model.parameters(), lr=5e-5)
         keeper = RunKeeper(args)
+        keeper.__enter__()  # as the lesson's `with` block does; left below as a run that got to its end
+        keeper.start()
         keeper.resume(model, optimizer, train_loader=[None] * steps)
         return keeper, model, optimizer
 
@@ -135,7 +137,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         keeper.batch_done(torch.tensor(1.0), batch_size=4)
     assert cuda.count("synchronize") == 2 and cuda.count("reset_peak_memory_stats") == 1
     keeper.checkpoint(val_acc=0.5)
-    keeper.let_go()  # as leaving the `with` block does, but for ending the process
+    keeper.__exit__(None, None, None)
 
     args.resume = True
     keeper, model, optimizer = keeper_and_model()
@@ -144,7 +146,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
     assert cuda.count("synchronize") == 4 and cuda.count("reset_peak_memory_stats") == 2
     keeper.checkpoint(val_acc=0.6)
     keeper.finish(1.0, 0.9, model)
-    keeper.let_go()
+    keeper.__exit__(None, None, None)
     record = json.loads((tmp_path / args.results).read_text().splitlines()[-1])
     assert (record["peak_memory_gb"], record["device_name"], record["accelerator"]) == \
         (3.04, "NVIDIA H200", "cuda")

@@ -1,6 +1,7 @@
 """The Fabric scripts: equal to plain PyTorch, DDP and FSDP2 that shard and cast as they should,
 two nodes on one machine, and the bf16 fallback on GPUs without bfloat16."""
 import argparse
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,8 @@ import torch
 
 import local_utilities as lu
 import parallelize
-from run_keeping.config import fallback_line, precision_that_runs, read_script
+from run_keeping.config import read_script
+from run_keeping.device import fallback_line, precision_that_runs
 from conftest import native_bf16, ROOT, free_port, read_records
 
 
@@ -74,8 +76,9 @@ def one_process_group():
     dist.destroy_process_group()
 
 
-def test_fsdp2_makes_every_encoder_block_a_unit_and_gathers_bf16(one_process_group):
+def test_fsdp2_makes_every_encoder_block_a_unit_and_gathers_bf16(one_process_group, monkeypatch):
     from torch.distributed.fsdp import FSDPModule
+    monkeypatch.setenv("LT_PRECISION", "bf16-mixed" if native_bf16() else "32-true")  # as RunKeeper sets it
     from torchvision.models.vision_transformer import EncoderBlock
     model = parallelize.fsdp_each_encoder_block(smoke_model(), one_process_group)
     blocks = [m for m in model.modules() if isinstance(m, EncoderBlock)]
@@ -92,25 +95,18 @@ def test_fsdp2_makes_every_encoder_block_a_unit_and_gathers_bf16(one_process_gro
 
 
 
-class GpuMesh:
-    """The CPU mesh, saying it is a CUDA one (no GPU here): what fsdp_each_encoder_block asks."""
-    device_type = "cuda"
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-
-    def __getitem__(self, name):
-        return self.mesh[name]
-
-
-@pytest.mark.parametrize("has_bf16, gathered", [(False, torch.float32), (True, torch.bfloat16)])
-def test_fsdp2_on_a_gpu_gathers_bf16_only_where_the_gpu_has_it(one_process_group, monkeypatch,
-                                                                has_bf16, gathered):
-    """A GPU before Ampere (no native bfloat16) runs 06-07 in 32-true (run_keeping's fallback):
-    the FSDP2 policy then gathers float32 parameters; on an Ampere or later GPU, bfloat16."""
+@pytest.mark.parametrize("precision, gathered", [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16),
+                                                 (None, torch.float32)])
+def test_fsdp2_gathers_in_the_precision_that_runs(one_process_group, monkeypatch, precision, gathered):
+    """FSDP2's policy gathers parameters in bfloat16 only where the run's precision, as RunKeeper gives it to Fabric
+    (LT_PRECISION), is a bfloat16 one: a device without native bfloat16 runs 06-07 in 32-true, and gathers float32;
+    without a run's precision, float32 (Fabric's default)."""
     from torchvision.models.vision_transformer import EncoderBlock
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: has_bf16)
-    model = parallelize.fsdp_each_encoder_block(smoke_model(), GpuMesh(one_process_group))
+    if precision is None:
+        monkeypatch.delenv("LT_PRECISION", raising=False)
+    else:
+        monkeypatch.setenv("LT_PRECISION", precision)
+    model = parallelize.fsdp_each_encoder_block(smoke_model(), one_process_group)
     seen = []
     for block in (m for m in model.modules() if isinstance(m, EncoderBlock)):
         block.mlp.register_forward_hook(lambda m, i, o: seen.append(m[0].weight.dtype))
@@ -151,8 +147,9 @@ def test_fsdp2_in_two_processes_gathers_whole_bf16_parameters(tmp_path):
     script = tmp_path / "check.py"
     script.write_text(TWO_PROCESS_CHECK)
     port = str(free_port())
+    env = dict(os.environ, LT_PRECISION="bf16-mixed")  # 06's, as RunKeeper gives it to Fabric
     procs = [subprocess.Popen([sys.executable, str(script), str(ROOT), str(rank), port],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for rank in (0, 1)]
     try:
         outputs = [p.communicate(timeout=120)[0] for p in procs]
@@ -162,35 +159,30 @@ def test_fsdp2_in_two_processes_gathers_whole_bf16_parameters(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outputs
     for output in outputs:
         line = next(line for line in output.splitlines() if line.startswith("RESULT"))
-        dtype = "torch.bfloat16" if native_bf16() else "torch.float32"  # in bf16 where the CPU has it
-        assert line.count(dtype) == 3 and "(256, 128)" in line  # whole
+        assert line.count("torch.bfloat16") == 3 and "(256, 128)" in line  # whole
         assert line.endswith("[128]")  # the process's own half of that 256-row weight
 
 
-@pytest.mark.parametrize("script, expected", [("04_fabric-vit-mixed-precision.py", "16-mixed"),
-                                              ("05_fabric-vit-mixed-ddp.py", "16-mixed"), ("06_fabric-vit-mixed-fsdp.py", "32-true")])
-def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, script, expected):
-    """The decision, its one line, and Fabric running it: the lesson's Fabric(precision="bf16-mixed")
-    made with LT_PRECISION set, as parse_args sets it, runs the fallback. Only the GPU's answers are
-    stood in for (no GPU here). 04-05 get 16-mixed; 06-07 (FSDP2, which refuses 16-mixed) 32-true, as
-    their own Fabric(...) lines say (read_script)."""
+@pytest.mark.parametrize("script", ["04_fabric-vit-mixed-precision.py", "06_fabric-vit-mixed-fsdp.py"])
+def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, script):
+    """The decision, its one line, and Fabric running it: on a GPU without native bfloat16 every bf16 precision runs
+    as 32-true (one rule: no 16-mixed, which FSDP2's strategy refuses), and the lesson's Fabric(precision=
+    "bf16-mixed") made with LT_PRECISION set, as RunKeeper sets it, runs it. Only the GPU's answers are stood in
+    for (no GPU here)."""
     import argparse
 
     import lightning as L
     from lightning.fabric.strategies import ModelParallelStrategy
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla V100-SXM2-16GB")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Tesla T4")
     said = read_script(ROOT / script)
-    strategy = said["sharded"]
-    assert said["precision"] == "bf16-mixed" and precision_that_runs("bf16-mixed", "cuda", strategy) == expected
-    assert precision_that_runs("bf16-true", "cuda", strategy) == "32-true"
-    line = fallback_line(argparse.Namespace(precision=expected, precision_asked="bf16-mixed", accelerator="cuda"))
-    assert line.startswith(f"This GPU (Tesla V100-SXM2-16GB) has no native bfloat16: running {expected} instead of "
-                           "bf16-mixed")
-    if expected == "32-true":  # on a CPU, Lightning makes 16-mixed bf16-mixed itself: 32-true shows LT_PRECISION read
-        monkeypatch.setenv("LT_PRECISION", expected)
-        made = ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1)
-        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=made)
-        assert fabric.strategy.precision.precision == expected
+    assert said["precision"] == "bf16-mixed" and precision_that_runs("bf16-mixed", "cuda") == "32-true"
+    assert precision_that_runs("bf16-true", "cuda") == "32-true" and precision_that_runs("32-true", "cuda") == "32-true"
+    line = fallback_line(argparse.Namespace(precision="32-true", precision_asked="bf16-mixed", accelerator="cuda"))
+    assert line == "This GPU (Tesla T4) has no native bfloat16: running 32-true instead of bf16-mixed."
+    monkeypatch.setenv("LT_PRECISION", "32-true")
+    made = ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1) if "fsdp" in script else "auto"
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed", strategy=made)
+    assert fabric.strategy.precision.precision == "32-true"
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    assert precision_that_runs("bf16-mixed", "cuda", strategy) == "bf16-mixed"
+    assert precision_that_runs("bf16-mixed", "cuda") == "bf16-mixed"

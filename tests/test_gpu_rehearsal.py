@@ -14,7 +14,6 @@ import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, SAID, SCRIPTS
 from gpu_machine.machine import MODELS, stand_in
-from run_keeping.config import FALLBACKS
 from run_keeping.reading import lessons
 from run_keeping.reading import read_records
 
@@ -24,9 +23,9 @@ GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H2
 
 def precisions_the_scripts_produce():
     """Each precision a numbered script asks Fabric for (00-02 and plain Fabric: 32-true), and
-    what a GPU without bfloat16 runs instead (run_keeping/config.py)."""
+    what a device without bfloat16 runs instead, 32-true (run_keeping/device.py)."""
     asked = {m for path in ROOT.glob("[01][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
-    return asked | {"32-true"} | set(FALLBACKS.values())
+    return asked | {"32-true"}
 
 
 def strategies_the_scripts_produce():
@@ -51,12 +50,10 @@ def as_on(record, name, **changes):
 def every_kind_of_record(smoke_runs):
     """Real records of every precision and strategy the scripts produce on this CPU, and, made
     from them, the precision each asks for as a GPU with bfloat16 runs it (a CPU without it ran
-    32-true) and the fallbacks only an older GPU produces (16-mixed; 32-true under FSDP2)."""
+    32-true) and the fallback an older GPU runs (32-true)."""
     real = [smoke_runs(s).record for s in [*SCRIPTS, "09_fabric-vit-fast.py"] if not s.startswith("00")]
     asked = [dict(r, precision=r["precision_asked"]) for r in real]
-    sharded = lambda r: SAID[r["script"]]["sharded"]  # noqa: E731
-    older = [dict(r, precision=FALLBACKS.get(("cuda", r["precision"], sharded(r)), "32-true")) for r in asked
-             if r["precision"].startswith("bf16")]
+    older = [dict(r, precision="32-true") for r in asked if r["precision"].startswith("bf16")]
     records = real + asked + older
     assert {r["precision"] for r in records} >= precisions_the_scripts_produce()
     assert {lessons()[r["script"]]["strategy"] for r in records} >= strategies_the_scripts_produce()

@@ -1,7 +1,7 @@
 """A run ends as a Python program ends (docs/run-keeping.md, "Exit"): after the `with` block, finished,
 refused or failed, control returns to whoever ran the script (IPython's %run, `python -i`, the code after
-the block), with the documented exit code; a signal while the interpreter shuts down changes nothing;
-Ctrl-C after an unexpected error still ends the process; a NaN in one process stops them all."""
+the block), with the documented exit code, an exit handler registered before the run run; Ctrl-C after an
+unexpected error still ends the process; a NaN in one process stops them all."""
 import signal
 import subprocess
 import sys
@@ -16,17 +16,21 @@ SHORT = ["--smoke", "--max-steps", "2", "--epochs", "1"]
 
 
 # In one IPython session: a refused %run, 05 (whose processes Lightning cannot start at a prompt), 04 on a CPU
-# without bfloat16 units (oneDNN capped: it falls back), then 03 uncapped; the interpreter's state is compared
-# after each with what it was after the first finished run (the libraries' imports change it once).
+# without bfloat16 units (oneDNN capped: it falls back), then 03 and 04 with the cap as found (04 runs what it asks
+# again where the CPU has bfloat16 units); the interpreter's state is compared after each with what it was after the
+# first finished run (the libraries' imports change it once).
 CELL = """
 import os, signal, warnings, json, torch
 def state():
     return (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM), dict(os.environ), list(warnings.filters),
             torch.get_num_threads())
 %run {lesson} --smoke --resume
+cap = os.environ.pop("ONEDNN_MAX_CPU_ISA", None)
 os.environ["ONEDNN_MAX_CPU_ISA"] = "AVX2"
 %run {lesson} {short}
 del os.environ["ONEDNN_MAX_CPU_ISA"]
+if cap is not None:
+    os.environ["ONEDNN_MAX_CPU_ISA"] = cap
 found = state()
 %run {lesson} --smoke --epochs 0
 print("AFTER A REFUSAL", state() == found)
@@ -34,8 +38,10 @@ print("AFTER A REFUSAL", state() == found)
 print("AFTER 05", state() == found)
 %run {fabric} {short}
 print("AFTER 03", state() == found, "LT_PRECISION" in os.environ)
+%run {lesson} {short}
+print("AFTER 04 AGAIN", state() == found)
 print("PYTHON'S CTRL-C", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-print("PRECISIONS", [json.loads(line)["precision"] for line in open("results/runs.jsonl")])
+print("PRECISIONS", [json.loads(line)["precision"] for line in open("results/runs.jsonl")][::2])
 """
 
 
@@ -52,6 +58,7 @@ def test_ipython_and_python_i_get_control_back(tmp_path):
     out = ipython.stdout + ipython.stderr
     assert "SystemExit: 2" in out and "nothing to resume" in out, out[-3000:]
     assert "AFTER A REFUSAL True" in out and "AFTER 05 True" in out and "AFTER 03 True False" in out, out[-3000:]
+    assert "AFTER 04 AGAIN True" in out, out[-3000:]
     assert "PYTHON'S CTRL-C True" in out, out[-3000:]
     assert ("05_fabric-vit-mixed-ddp.py: error: this lesson's processes are started by Lightning's subprocess "
             f"launcher, which cannot run at a prompt: run it from a shell: python {ROOT / '05_fabric-vit-mixed-ddp.py'} --smoke") in out
@@ -65,31 +72,36 @@ def test_ipython_and_python_i_get_control_back(tmp_path):
     assert "PYTHON HANDLER True" in refused.stdout, refused.stdout + refused.stderr
 
 
-# At the interpreter's exit, after the keeper's own exit handler (registered later, so run earlier), this one
-# sends the process SIGTERM and Ctrl-C, as a scheduler or an impatient user may while it shuts down.
-SIGNALS_AT_EXIT = """
-import atexit, os, signal, time
-atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))
+# An exit handler registered before the run, as `coverage run` registers its own: it must run as the process ends
+EARLIER_EXIT_HANDLER = """
+import atexit, os
+atexit.register(lambda: open(os.path.join(os.getcwd(), "exit-handler-ran"), "w").close())
+"""
+AFTER_THE_BLOCK = """
+    import signal
+    print("after the block", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    raise SystemExit(5)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, code", [(SHORT, 0), (["--smoke", "--resume"], 2)])
-def test_code_after_the_block_runs_and_a_signal_at_exit_changes_no_exit_code(tmp_path, flags, code):
-    """A copy of 04 with a line after its `with` block: the line runs (the run hands back, it does not end
-    the process); SIGTERM and Ctrl-C while the interpreter shuts down leave the documented exit code."""
+@pytest.mark.parametrize("flags, code", [(SHORT, 5), (["--smoke", "--resume"], 2)])
+def test_code_after_the_block_runs_and_the_program_ends_as_it_says(tmp_path, flags, code):
+    """A copy of 04 with lines after its `with` block: they run, with Python's own Ctrl-C handler back (the run hands
+    back, it does not end the process), and the program's own exit code and an exit handler it registered before the
+    run are kept; a run refused as its flags are read ends 2, that exit handler run too."""
     copy = tmp_path / "project" / LESSON
     copy.parent.mkdir()
     for name in ("local_utilities.py", "run_keeping", "smoke_weights"):
         (copy.parent / name).symlink_to(ROOT / name)
-    text = (ROOT / LESSON).read_text()
-    copy.write_text(text + ("    print('after the block')\n" if code == 0 else ""))
+    copy.write_text((ROOT / LESSON).read_text() + AFTER_THE_BLOCK.lstrip("\n"))
     site = tmp_path / "site"
     site.mkdir()
-    (site / "sitecustomize.py").write_text(SIGNALS_AT_EXIT)
+    (site / "sitecustomize.py").write_text(EARLIER_EXIT_HANDLER)
     proc = run_script(str(copy), *flags, cwd=tmp_path, env=script_env(tmp_path, PYTHONPATH=str(site)), fresh=True)
     assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
-    assert ("after the block" in proc.stdout) == (code == 0) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("after the block True" in proc.stdout) == (code == 5) and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "exit-handler-ran").exists()
 
 
 # An error nobody can act on (a bug in the lesson: cross_entropy raises at the second step), and a shutdown

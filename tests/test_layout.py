@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, parse_as
+from conftest import ROOT, parse_as, run_script, script_env
 
 sys.path.insert(0, str(ROOT / "tools"))
 import figures  # noqa: E402  (the README's blocks: tools/figures.py)
@@ -94,11 +94,12 @@ def test_each_helper_and_constant_is_defined_once():
 
 
 def test_no_class_or_function_is_long():
-    """Shared code: a class within 430 lines (RunKeeper, the keeper's one: its state declared in one place costs
-    30, its lines kept within 120 columns 20 more, its start handed back however it stops 10), functions within 50;
-    the tools' functions within 60."""
+    """Shared code: a class within 470 lines (RunKeeper, the keeper's one: its state declared in one place, an
+    attribute a line, costs 45, its lines kept within 120 columns 20 more, a signal held back while it sets the run
+    up, takes the folder and ends, and undoes in a finally, 30), functions within 50; the tools' functions within
+    60."""
     for name, path, kind, lines in definitions(SHARED):
-        limit = 430 if kind == "ClassDef" else 50
+        limit = 470 if kind == "ClassDef" else 50
         assert lines <= limit, f"{path.name}: {name} is {lines} lines"
     tools = [*TOOLS, *sorted((ROOT / "tools").glob("*.py")), ROOT / "08_load-and-evaluate.py"]
     for path in tools:
@@ -141,11 +142,11 @@ def private_names(path):
 
 # What a lesson's run may read: at most this many of the project's files and lines, besides
 # parallelize.py, which only the sharded lessons import. A guard against growth, not a target: from 1,200
-# lines in 5 files it took 500 and gpu.py for what a reader should not have to work out: the interpreter
-# put back however a run ends (config.AsFound), the settings declared in one place (Settings, and the
-# keeper's state in __init__), a lesson's flags in argparse's groups, the end of a run of processes
-# (met, bounded, interruptible, ended by os._exit), the GPU machine's one line (gpu.py: the build, the driver,
-# the kernels, the count), the tools' run put back too, no line over 120.
+# lines in 5 files it took 500 for what a reader should not have to work out: one owner of what a run changes
+# (RunKeeper, each change beside its undoing), the settings declared in one place (Settings, and the keeper's state
+# in __init__, an attribute a line), a lesson's flags in argparse's groups, the checkpoint folder read as the flags
+# are, the end of a run of processes (met, bounded, interruptible), the machine in torch's own words (device.py),
+# no line over 120.
 RUN_PATH_FILES, RUN_PATH_LINES, SHARDED_ONLY = 6, 1700, ROOT / "parallelize.py"
 
 
@@ -258,18 +259,21 @@ def test_the_pages_talk_about_the_suite_not_how_it_was_made(page):
         pytest.fail(f"{page} says {phrase!r}")
 
 
-NEW_LESSON = "17_fabric-vit-channels-last.py"
 # A contributor's lesson with a switch of its own, its row in the talk's memory table and the GPU check's first
-# stage, measured with its switch on (docs/adding-a-lesson.md): 04 plus channels-last weights.
+# stage, measured with its switch on (docs/adding-a-lesson.md, whose example is lesson 17): 04 plus channels-last
+# weights, under the first number no lesson has, so that it clashes with none a contributor takes.
+NUMBER = next(f"{n:02d}" for n in range(17, 100) if not list(ROOT.glob(f"{n:02d}_*.py")))
+NEW_LESSON = f"{NUMBER}_fabric-vit-channels-last.py"
 NEW_ROW = (f"{NEW_LESSON},+ channels-last (a contributor's),04,2,3,1,1,single-device,talk,headline,--channels-last,"
            ",,,,,,Adam,\n")
 
 
-def lines_of_the_page(tag):
-    """The lines docs/adding-a-lesson.md's Python blocks give, tagged `tag`, as the page shows them."""
+def lines_of_the_page(tag, number):
+    """The lines docs/adding-a-lesson.md's Python blocks give, tagged `tag`, as the page shows them, tagged `number`."""
     page = (ROOT / "docs" / "adding-a-lesson.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if f"# [{tag}]" in line]
+    lines = [line.strip() for block in blocks for line in block.splitlines() if f"# [{tag}]" in line]
+    return [line.replace(f"# [{tag}]", f"# [{number}]") for line in lines]
 
 
 @pytest.mark.slow
@@ -284,7 +288,7 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     copy = tmp_path / "project"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "results", "models", "checkpoints"))
     subprocess.run(["git", "init", "-q"], cwd=copy, check=True)  # a contributor's clone: .gitignore in force
-    switch, channels_last = lines_of_the_page("17")
+    switch, channels_last = lines_of_the_page("17", NUMBER)
     base = (copy / "04_fabric-vit-mixed-precision.py").read_text()
     head = "        model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)\n"
     assert head in base and "    args = parser.parse_args()\n" in base
@@ -294,30 +298,36 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     with open(copy / "lessons.csv", "a") as f:
         f.write(NEW_ROW)
 
-    def run(*command):
-        return subprocess.run([sys.executable, *command], cwd=copy, capture_output=True, text=True, timeout=600)
+    def run(*command):  # `python ...` in the contributor's copy: its scripts forked as the suite's are (run_script)
+        if command[0] == "-m":
+            return subprocess.run([sys.executable, *command], cwd=copy, capture_output=True, text=True, timeout=600)
+        return run_script(str(copy / command[0]), *command[1:], cwd=copy, timeout=600)
     assert run("tools/figures.py").returncode == 0
     # the quick tier's checks of the new lesson and of the whole registry (the other lessons' own are the suite's)
     registry = ["tests/test_layout.py", "tests/test_docs.py", "tests/test_plot.py", "tests/test_benchmark.py",
                 "tests/test_memory.py", "tests/test_gpu_rehearsal.py", "tests/test_scripts.py", "tests/test_copies.py",
-                "tests/test_flags.py", "tests/test_cuda_paths.py", "tests/test_precision.py"]  # the files that read it
-    quick = run("-m", "pytest", "-q", "-m", "not slow", "-k", "17_fabric or not (_fabric-vit or _pytorch-vit)", *registry)
+                "tests/test_flags.py", "tests/test_cuda_paths.py", "tests/test_precision.py",
+                "tests/test_one_owner.py"]  # the files that read it
+    quick = run("-m", "pytest", "-q", "-m", "not slow", "-k", f"{NUMBER}_fabric or not (_fabric-vit or _pytorch-vit)",
+                *registry)
     assert quick.returncode == 0 and " passed" in quick.stdout, quick.stdout[-3000:]
     helped = " ".join(run(NEW_LESSON, "--help").stdout.split())
-    assert "[17] new: its switch." in helped and "--channels-last the images and weights in channels-last" in helped
+    assert f"[{NUMBER}] new: its switch." in helped and "--channels-last the images and weights in channels-last" in helped
     flags_page = (copy / "docs" / "flags-records-exit-codes.md").read_text()
-    assert "| `--channels-last` | 17 | `action='store_true'` | `off` | the images and weights in channels-last" in flags_page
-    plan = subprocess.run(["bash", "gpu_check.sh", "--plan"], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert f"| `--channels-last` | {NUMBER} | `action='store_true'` | `off` | the images and weights in channels-last" \
+        in flags_page
+    plan = subprocess.run(["bash", "gpu_check.sh", "--plan"], cwd=copy, env=script_env(copy), capture_output=True,
+                          text=True, timeout=300)
     first = plan.stdout.split("\n2. ")[0]
-    assert "17 at batch 16 (with --channels-last)" in first, plan.stdout
+    assert f"{NUMBER} at batch 16 (with --channels-last)" in first, plan.stdout
     talk = next(line for line in plan.stdout.splitlines() if line.startswith("benchmark.py --memory --talk"))
-    assert "17 on ViT-B/16, 1 process(es) (with --channels-last)" in talk, plan.stdout
+    assert f"{NUMBER} on ViT-B/16, 1 process(es) (with --channels-last)" in talk, plan.stdout
     # the switch off and on: two model files, two records, two rows
     for flags in ([], ["--channels-last"]):
         ran = run(NEW_LESSON, "--smoke", "--epochs", "1", *flags)
         assert ran.returncode == 0, ran.stderr[-2000:]
     assert sorted(p.name for p in (copy / "models").iterdir()) == [
-        "17_fabric-vit-channels-last-smoke-epochs1-channels-last.pt", "17_fabric-vit-channels-last-smoke-epochs1.pt"]
+        f"{NUMBER}_fabric-vit-channels-last-smoke-epochs1-channels-last.pt", f"{NUMBER}_fabric-vit-channels-last-smoke-epochs1.pt"]
     records = [json.loads(line) for line in (copy / "results" / "runs.jsonl").read_text().splitlines()]
     assert [r["settings"] for r in records] == [{"--channels-last": False}, {"--channels-last": True}]
     charted = run("plot_results.py", "--smoke")
@@ -325,9 +335,11 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     assert charted.returncode == 0 and len(rows) == 2, charted.stdout + charted.stderr
     assert sorted("no --channels-last" in row for row in rows) == [False, True], rows  # each row says it
     # an untagged change: the tag check fails, naming the line and what to do
-    (copy / NEW_LESSON).write_text(lesson.replace("  # [17] new: its switch", "", 1))
-    untagged = run("-m", "pytest", "-q", "-n", "0", "-m", "not slow", "tests/test_scripts.py", "-k", "tagged and 17_fabric")
-    assert untagged.returncode == 1 and "end each line 17 changes with # [17] new" in untagged.stdout, untagged.stdout[-2000:]
+    (copy / NEW_LESSON).write_text(lesson.replace(f"  # [{NUMBER}] new: its switch", "", 1))
+    untagged = run("-m", "pytest", "-q", "-n", "0", "-m", "not slow", "tests/test_scripts.py", "-k",
+                   f"tagged and {NUMBER}_fabric")
+    assert untagged.returncode == 1 and f"end each line {NUMBER} changes with # [{NUMBER}] new" in untagged.stdout, \
+        untagged.stdout[-2000:]
     # no row: plot_results.py and the layout check say to add it
     (copy / "lessons.csv").write_text((copy / "lessons.csv").read_text().replace(NEW_ROW, ""))
     assert "add its row to lessons.csv: docs/adding-a-lesson.md" in run("plot_results.py", "--smoke", "--all").stderr

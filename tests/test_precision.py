@@ -89,7 +89,7 @@ EMULATION_GUARD = 4.0
 # that ask for a bf16 precision, as their scripts say; those that neither shard nor compile (a compile's
 # CPU seconds are its own) are held to the guard.
 BF16_LESSONS = [s for s in lessons() if (SAID[s]["precision"] or "").startswith("bf16")]
-WITHIN_TWICE_03 = [s for s in BF16_LESSONS if not SAID[s]["sharded"] and not SAID[s]["compile_mode"]]
+WITHIN_TWICE_03 = [s for s in BF16_LESSONS if lessons()[s]["strategy"] != "fsdp2" and not SAID[s]["compile_mode"]]
 
 
 @pytest.mark.slow
@@ -112,31 +112,33 @@ def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs,
 
 @pytest.mark.parametrize("script", ["04_fabric-vit-mixed-precision.py", "11_fabric-vit-bf16-true.py"])
 def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script):
-    """On a CPU without native bfloat16 (rehearsed: oneDNN capped at AVX2), parse_args sets
-    LT_PRECISION, and the lesson's own Fabric(precision=...) line then sets the model up in float32
-    (11's bf16-true would otherwise cast it to bfloat16) and runs it without autocast; the run's
-    line says so."""
+    """On a CPU without native bfloat16 (rehearsed: oneDNN capped at AVX2), parse_args decides 32-true and changes
+    nothing; inside the run's `with RunKeeper(args)` block LT_PRECISION says it, and the lesson's own
+    Fabric(precision=...) line then sets the model up in float32 (11's bf16-true would otherwise cast it to
+    bfloat16) and runs it without autocast; the run's line says so; after the block LT_PRECISION is gone."""
     import os
 
     import lightning as L
     import torch
     import local_utilities as lu
-    from run_keeping.config import fallback_line
+    from run_keeping.device import fallback_line
+    from run_keeping.keeper import RunKeeper
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    monkeypatch.delenv("LT_PRECISION", raising=False)  # and put back as it was afterwards
-    settings = parse_as(script, "--smoke", keep=True)  # as the lesson's Fabric(...) line finds it
+    monkeypatch.delenv("LT_PRECISION", raising=False)
+    settings = parse_as(script, "--smoke")
     asked = settings.precision_asked
-    assert (settings.precision, os.environ["LT_PRECISION"]) == ("32-true", "32-true") and asked.startswith("bf16")
-    fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
-    with fabric.init_module():
-        model = lu.smoke_vit()
-    model = fabric.setup_module(model)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
-    assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
-    with fabric.autocast():
-        assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
+    assert settings.precision == "32-true" and asked.startswith("bf16") and "LT_PRECISION" not in os.environ
+    with RunKeeper(settings):  # as the lesson's Fabric(...) line finds it
+        assert os.environ["LT_PRECISION"] == "32-true"
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
+        with fabric.init_module():
+            model = lu.smoke_vit()
+        model = fabric.setup_module(model)
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
+        with fabric.autocast():
+            assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
     assert f"running 32-true instead of {asked}" in fallback_line(settings)
-    settings.as_found.put_back()
     assert "LT_PRECISION" not in os.environ  # the run's end takes the fallback away again
 
 

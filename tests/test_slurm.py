@@ -106,7 +106,8 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     wait_until(lambda: state(again, env) == "PENDING", 120, "the requeued job to wait")
     latest = json.loads(next((work / "checkpoints").glob("*/latest.json")).read_text())
     assert latest["epochs_done"] == 1 and latest["checkpoint"] == "epoch-0001.ckpt", latest  # the first epoch's
-    subprocess.run(["scontrol", "update", f"JobId={again}", "StartTime=now"], env=env, check=True)  # not in 2 min
+    # it starts again by itself, once the credential of its first start has expired (local_slurm.sh: cred_expire); a
+    # start before that is refused ("Job credential revoked") and the job fails
     wait_until(lambda: state(again, env) in ("COMPLETED", "FAILED", "CANCELLED"), 300, "the requeued job")
     out = (tmp_path / "requeued.out").read_text()
     assert state(again, env) == "COMPLETED", out[-3000:]

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
-from run_keeping.config import device_name, native_bf16  # noqa: E402
+from run_keeping.device import device_name, native_bf16  # noqa: E402
 
 SIZE = 512
 

@@ -37,11 +37,13 @@ start() {
   host=$(hostname)
   cpus=$(nproc)
   cat > "$dir/slurm.conf" <<EOF
-# one node, this machine: $cpus CPUs, no GPUs, no cgroups (a container has none to give)
+# one node, this machine: $cpus CPUs, no GPUs, no cgroups (a container has none to give); a requeued job starts
+# again by itself once its old credential has expired (cred_expire, 120 s by default), at the scheduler's next pass
+# (sched_interval, 60 s by default)
 ClusterName=local
 SlurmctldHost=$host
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket
+AuthInfo=socket=$dir/munge/munge.socket,cred_expire=5
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -57,6 +59,7 @@ SlurmctldPort=$(free_port)
 SlurmdPort=$(free_port)
 ReturnToService=2
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 MpiDefault=none

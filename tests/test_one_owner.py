@@ -1,0 +1,169 @@
+"""Every effect a run has on its process has one owner, RunKeeper (docs/run-keeping.md, "One owner"): the interpreter
+(Ctrl-C's and SIGTERM's handlers, the environment, the exit handlers, the warnings filters, torch's threads, default
+dtype and matrix precision) is as found around every lesson's refused parse, and around its refused, interrupted and
+finished runs, each run in this process as IPython's %run and a notebook run it; and Ctrl-C at any line a run prints
+is one line and 130, nothing held, nothing left changed. (A lesson whose strategy runs processes is refused at a
+prompt; run otherwise, its processes end as the run does: docs/run-keeping.md, "The end of a run of processes".)"""
+import atexit
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT, parse_as
+from run_keeping.reading import lessons
+
+TRAINING = [script for script, row in lessons().items() if row["epochs"]]  # all but 08
+ONE_PROCESS = [script for script in TRAINING if lessons()[script]["devices"] == 1]
+SHORT = ["--smoke", "--epochs", "1", "--max-steps", "1"]
+
+
+class Escaped(Exception):
+    """A signal that reached the test's own handler: the run did not own it."""
+
+
+def escaped(signum, frame):
+    raise Escaped(signal.Signals(signum).name)
+
+
+def interpreter():
+    """What a run may change in the process, as a comparable whole."""
+    return {"SIGINT": signal.getsignal(signal.SIGINT), "SIGTERM": signal.getsignal(signal.SIGTERM),
+            "environment": dict(os.environ), "exit handlers": atexit._ncallbacks(),  # CPython's count of them
+            "warnings filters": list(warnings.filters), "threads": torch.get_num_threads(),
+            "default dtype": torch.get_default_dtype(), "matmul precision": torch.get_float32_matmul_precision()}
+
+
+class Printed(io.TextIOBase):
+    """sys.stdout or sys.stderr, its lines counted with the other's; at line `stop_at`, Ctrl-C to this process."""
+
+    def __init__(self, lines, stop_at):
+        self.lines, self.stop_at = lines, stop_at
+
+    def write(self, text):
+        for piece in text.splitlines(keepends=True):
+            self.lines[-1] += piece
+            if piece.endswith("\n"):
+                self.lines.append("")
+                if len(self.lines) - 1 == self.stop_at:
+                    os.kill(os.getpid(), signal.SIGINT)
+        return len(text)
+
+
+def run_here(script, *flags, stop_at=None):
+    """`python SCRIPT FLAGS` run in this process as %run runs it (runpy, as __main__): (its exit code, the lines it
+    printed). At its line `stop_at`, Ctrl-C is sent to this process."""
+    lines = [""]
+    printed = Printed(lines, stop_at)
+    argv, streams = sys.argv, (sys.stdout, sys.stderr)
+    sys.argv, sys.stdout, sys.stderr = [str(ROOT / script), *flags], printed, printed
+    try:
+        runpy.run_path(str(ROOT / script), run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        sys.argv, (sys.stdout, sys.stderr) = argv, streams
+    return code, [line for line in lines if line]
+
+
+@pytest.fixture
+def as_found(monkeypatch):
+    """as_found(script): the interpreter as it is once the script's libraries are imported (what they change as they
+    load, once, is theirs), with the test's own Ctrl-C and SIGTERM handlers (a signal a run does not own fails the
+    test, never the suite) and variables a run sets already set."""
+    found = {signum: signal.signal(signum, escaped) for signum in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # Lightning's launcher sets it where it is not set
+    monkeypatch.setenv("LT_PRECISION", "as-found")  # a run gives Fabric its precision here: set back, not removed
+
+    def after_importing(script, *flags):
+        """The interpreter once the script's imports ran, and with `flags` a whole run of it (the libraries a run
+        imports as it goes, torch.compile's among them, and what they register as they load)."""
+        runpy.run_path(str(ROOT / script), run_name="imported_by_the_test")  # its imports, not its run
+        before = dict(os.environ)
+        if flags:
+            assert run_here(script, *flags, "--checkpoint-dir", "warm-up", "--save-model", "warm-up.pt")[0] == 0
+        changed = {name for name, value in before.items() if os.environ.get(name) != value}
+        assert not changed, f"the run left {changed} changed"  # LT_PRECISION among them: set back, not kept
+        return interpreter()
+    try:
+        yield after_importing
+    finally:
+        for signum, handler in found.items():
+            signal.signal(signum, handler)
+
+
+@pytest.mark.parametrize("script", TRAINING)
+def test_a_refused_parse_changes_nothing(script, as_found, capsys):
+    """Each lesson's parse, refused (a bad value; a lesson of processes at a prompt): one line, exit 2, the
+    interpreter as found."""
+    as_found = as_found(script)
+    with pytest.raises(SystemExit) as stop:
+        parse_as(script, "--smoke", "--epochs", "0")
+    assert stop.value.code == 2 and interpreter() == as_found
+    if lessons()[script]["devices"] > 1:
+        sys.ps1 = ">>> "  # a prompt
+        try:
+            with pytest.raises(SystemExit) as stop:
+                parse_as(script, "--smoke")
+        finally:
+            del sys.ps1
+        assert stop.value.code == 2 and "cannot run at a prompt" in capsys.readouterr().err
+        assert interpreter() == as_found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ONE_PROCESS)
+def test_refused_interrupted_and_finished_runs_leave_the_interpreter_as_found(script, as_found, tmp_path):
+    """Each one-process lesson run in this process: refused as the flags are read (nothing to resume) and once
+    started (a checkpoint that cannot be loaded), interrupted at its first line, and to its end; after each, the
+    interpreter as found and no lock held."""
+    as_found = as_found(script, *SHORT)
+    code, printed = run_here(script, *SHORT, "--resume")
+    assert code == 2 and "nothing to resume" in printed[-1] and interpreter() == as_found, printed
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    (folder / "epoch-0001.ckpt").write_bytes(b"cut short")
+    (folder / "latest.json").write_text(json.dumps({"checkpoint": "epoch-0001.ckpt", "script": script, "kind": "smoke",
+                                                    "settings": settings_of(script), "flags": SHORT}))
+    code, printed = run_here(script, *SHORT, "--checkpoint-dir", str(folder), "--resume")
+    assert code == 2 and "epoch-0001.ckpt" in printed[-1] and interpreter() == as_found, printed
+    assert not (folder / ".lock").exists()
+    code, printed = run_here(script, *SHORT, stop_at=1)
+    assert code == 130 and printed[-1] == f"{script}: interrupted (SIGINT) while starting; nothing was written.\n"
+    assert interpreter() == as_found and not (tmp_path / "checkpoints").exists(), printed
+    code, printed = run_here(script, *SHORT)
+    assert code == 0 and printed[-1].startswith("Run record appended") and interpreter() == as_found, printed
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def settings_of(script):
+    args = parse_as(script, *SHORT)
+    return {key: getattr(args, key) for key in ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size",
+                                                 "precision")} | args.own
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_every_line_a_run_prints_is_one_line_and_130(as_found, tmp_path, monkeypatch):
+    """04 run in this process to its end, then again once for each line it printed, Ctrl-C sent as that line is
+    written: each run ends 130 in one line that says what is kept, with no traceback, no lock held and the interpreter
+    as found; past the record, the line says the run finished."""
+    script = "04_fabric-vit-mixed-precision.py"
+    as_found = as_found(script, *SHORT)
+    code, whole = run_here(script, *SHORT)
+    assert code == 0 and len(whole) > 10, whole
+    for stop_at in range(1, len(whole) + 1):
+        monkeypatch.chdir(tmp_path.joinpath(str(stop_at)).mkdir() or tmp_path / str(stop_at))
+        code, printed = run_here(script, *SHORT, stop_at=stop_at)
+        said = [line for line in printed if "interrupted (SIGINT)" in line]
+        assert code == 130 and len(said) == 1 and said[0] == printed[-1], (stop_at, printed)
+        assert not any("Traceback" in line for line in printed) and interpreter() == as_found, (stop_at, printed)
+        assert not list(tmp_path.joinpath(str(stop_at)).rglob(".lock")), stop_at
+        if stop_at == len(whole):
+            assert "after the run finished: its record is in results/runs.jsonl" in said[0], said
