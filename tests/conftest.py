@@ -30,6 +30,13 @@ sys.path.insert(0, str(ROOT))
 GPU_MACHINE = ROOT / "tests" / "gpu_machine"
 os.environ["PATH"] = f"{GPU_MACHINE}{os.pathsep}{os.environ['PATH']}"
 os.environ["HOOK_GPU_MACHINE"] = "0"
+# Every Python process a test starts that runs a script (a documented command's `python`, Lightning's second process,
+# benchmark.py's runs) is a copy from this pytest process's warm-start server where its environment lets it be
+# (tests/warm_start.py): `python` and `python3` first on the PATH, which ask the server at this address.
+WARM_FOLDER = Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}"
+os.environ["PATH"] = f"{ROOT / 'tests' / 'warm_python'}{os.pathsep}{os.environ['PATH']}"
+os.environ["HOOK_WARM_START"] = str(WARM_FOLDER / "warm-start.sock")
+os.environ["HOOK_PYTHON"] = sys.executable
 # Whether the host has NVIDIA GPUs of its own (its driver lists each here), which torch in the scripts sees
 GPU_HOST = any(Path("/proc/driver/nvidia/gpus").glob("*"))
 on_a_gpu_host = pytest.mark.skipif(GPU_HOST, reason="torch sees this host's GPU: no machine whose torch sees none")
@@ -53,7 +60,7 @@ def pytest_configure(config):
 def native_bf16():
     """Whether this CPU has native bfloat16 (run_keeping/config.py), as the scripts run here see
     it (ONEDNN_MAX_CPU_ISA in the environment rehearses a CPU without)."""
-    from run_keeping.config import native_bf16 as native
+    from run_keeping.device import native_bf16 as native
     return native("cpu")
 
 
@@ -94,8 +101,8 @@ _warm = []  # this pytest process's WarmStarts (warm_start.py), made at its firs
 def warm_starts():
     if not _warm:
         from warm_start import WarmStarts
-        folder = Path(tempfile.mkdtemp(prefix="warm-start-"))
-        _warm.append(WarmStarts(script_env(folder), str(folder)))
+        WARM_FOLDER.mkdir(exist_ok=True)
+        _warm.append(WarmStarts(script_env(WARM_FOLDER), str(WARM_FOLDER)))
     return _warm[0]
 
 
@@ -105,34 +112,26 @@ def pytest_unconfigure(config):
         shutil.rmtree(Path(_warm[0].address).parent, ignore_errors=True)
 
 
-def parse_as(script, *flags, keep=False):
+def parse_as(script, *flags):
     """The settings `script`'s own command line makes of `flags`, in this process, as a run makes them:
     the script runs first as a module under a name other than __main__ (its imports, constants and
     functions, a type function of its own included; a lesson does its work under `if __name__ ==
     "__main__":`, which then does not run), then its lines from `parser = lesson_parser(` to
     `parser.parse_args()` run in that namespace, parsed with sys.argv as `python SCRIPT FLAGS` sets it
-    (put back after the test); the signal handlers the parser installs are put back; a refusal is its
-    SystemExit, as in the script. The script's imports are cached in sys.modules after the first."""
+    (put back after the test); a refusal is its SystemExit, as in the script. The script's imports are
+    cached in sys.modules after the first."""
     import runpy
 
     path = ROOT / script
     text = path.read_text()
     start = text.rindex("\n", 0, text.index("parser = lesson_parser(")) + 1
     end = text.rindex("\n", 0, text.index("parser.parse_args()", start)) + 1
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     sys.argv = [str(path), *flags]  # as the run sees it; run_in_tmp puts it back after the test
-    try:
-        made = runpy.run_path(str(path), run_name="lesson_parsed_by_the_tests")
-        # the parser's lines keep their line numbers, so a traceback points into the script
-        lines = "\n" * text.count("\n", 0, start) + textwrap.dedent(text[start:end])
-        exec(compile(lines, str(path), "exec"), made)
-        settings = made["parser"].parse_args()
-        if not keep:  # as the run's end does: the test's interpreter as it was (keep: as the parse left it)
-            settings.as_found.put_back()
-        return settings
-    finally:
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
+    made = runpy.run_path(str(path), run_name="lesson_parsed_by_the_tests")
+    # the parser's lines keep their line numbers, so a traceback points into the script
+    lines = "\n" * text.count("\n", 0, start) + textwrap.dedent(text[start:end])
+    exec(compile(lines, str(path), "exec"), made)
+    return made["parser"].parse_args()
 
 
 class Ran(subprocess.CompletedProcess):

@@ -16,6 +16,7 @@ import torch
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
 from conftest import ROOT, read_records, script_env
+from warm_start import PYTHON
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs, upgrade
 
@@ -145,7 +146,7 @@ def without_the_interpreter_on_path(tmp_path):
     virtual environment that is not activated): only sys.executable reaches the packages."""
     folder = os.path.dirname(sys.executable)
     path = [p for p in os.environ["PATH"].split(os.pathsep) if p and os.path.realpath(p) !=
-            os.path.realpath(folder) and "pyenv" not in p]
+            os.path.realpath(folder) and "pyenv" not in p and not os.path.exists(os.path.join(p, "python"))]
     return script_env(tmp_path, PATH=os.pathsep.join(path))
 
 
@@ -192,8 +193,8 @@ def test_gpu_check_at_smoke_size(tmp_path):
     every output in results/gpu-check/ under the folder it ran in, nothing else left (no model
     files, no checkpoints), and the checkout as it was. (A kill at any moment leaves a whole
     report: the test below reads it at every moment of a check.)"""
-    env = dict(without_the_interpreter_on_path(tmp_path),
-               PYTHON=sys.executable)  # an unactivated virtual environment's python, say
+    # an unactivated virtual environment's python, say: the suite's `python` (tests/warm_python), off the PATH
+    env = dict(without_the_interpreter_on_path(tmp_path), PYTHON=PYTHON)
     checkout = checkout_files()
     # at smoke size, and for the suite's time 16 and 09 alone, one round (01 and 04 run in the test
     # below; every precision and strategy goes through the report in test_gpu_rehearsal.py)
@@ -228,7 +229,7 @@ def test_gpu_check_at_smoke_size(tmp_path):
     # the command benchmark.py prints for charting its records runs as printed
     hint = re.search(r"chart them with: (python \S*plot_results\.py [^)]*)\)", proc.stdout + proc.stderr)
     assert hint and "--smoke --synthetic" in hint[1], (proc.stdout + proc.stderr)[-2000:]
-    charted = subprocess.run(["bash", "-c", hint[1].replace("python", sys.executable, 1)], cwd=tmp_path, env=env,
+    charted = subprocess.run(["bash", "-c", hint[1]], cwd=tmp_path, env=script_env(tmp_path),  # python on its PATH
                              capture_output=True, text=True, timeout=120)
     assert charted.returncode == 0, charted.stderr[-2000:]
     assert "Chart written to results/charts.png" in charted.stdout
@@ -248,8 +249,8 @@ def broken_copy(tmp_path, number="04"):
     copy = tmp_path / "suite"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", "__pycache__", "reference", "docs", "tests"))
     script = copy / runs.SCRIPTS[number]
-    broken = "    raise RuntimeError('broken on purpose')\n    with RunKeeper(args, fabric) as keeper:"
-    script.write_text(script.read_text().replace("    with RunKeeper(args, fabric) as keeper:", broken, 1))
+    broken = "    raise RuntimeError('broken on purpose')\n    with RunKeeper(args) as keeper:"
+    script.write_text(script.read_text().replace("    with RunKeeper(args) as keeper:", broken, 1))
     assert "broken on purpose" in script.read_text()
     return copy
 

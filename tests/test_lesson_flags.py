@@ -11,8 +11,9 @@ import pytest
 
 from conftest import ROOT, parse_as
 
-# 04 with a flag of each of argparse's ways: a group, a mutually exclusive group, choices, nargs, store_false,
-# dest, a type function of the script's own, and a relation to the run's steps (check=).
+# 04 with a flag of each of argparse's ways: a group, a mutually exclusive group (and one inside a group), choices,
+# nargs, store_false, BooleanOptionalAction, dest, a type function of the script's own, and a relation to the run's
+# steps (check=).
 OWN_FLAGS = '''
 def fraction_below_1(text):
     value = float(text)
@@ -37,6 +38,10 @@ if __name__ == "__main__":
     choice.add_argument("--sgd-momentum", type=float, dest="momentum", help="SGD with this momentum")
     parser.add_argument("--sizes", type=int, nargs="+", default=[16], help="sizes")
     parser.add_argument("--no-bias", action="store_false", dest="bias", help="no bias")
+    averaging = tuning.add_mutually_exclusive_group()
+    averaging.add_argument("--ema", action="store_true", help="an average of the weights")
+    averaging.add_argument("--swa", action="store_true", help="a stochastic weight average")
+    parser.add_argument("--ema-eval", action=argparse.BooleanOptionalAction, default=True, help="evaluate the average")
     args = parser.parse_args()
 '''
 
@@ -55,10 +60,10 @@ def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(less
     """Each own flag, wherever declared, is in the settings (the record's and --resume's) by its first option
     string, and a changed one in the run's name (a list by commas, a switch by its flag)."""
     args = parse_as(lesson, "--smoke", "--label-smoothing", "0.1", "--optimizer", "sgd", "--sizes", "8", "4",
-                    "--no-bias", "--warmup-steps", "2")
+                    "--no-bias", "--warmup-steps", "2", "--ema", "--no-ema-eval")
     assert args.own == {"--label-smoothing": 0.1, "--warmup-steps": 2, "--optimizer": "sgd", "--sgd-momentum": None,
-                        "--sizes": [8, 4], "--no-bias": False}
-    name = "my04-smoke-label-smoothing0.1-warmup-steps2-optimizersgd-sizes8,4-no-bias"
+                        "--sizes": [8, 4], "--no-bias": False, "--ema": True, "--swa": False, "--ema-eval": False}
+    name = "my04-smoke-label-smoothing0.1-warmup-steps2-optimizersgd-sizes8,4-no-bias-ema-no-ema-eval"
     assert args.save_model == f"models/{name}.pt" and args.checkpoint_dir == f"checkpoints/{name}"
     defaults = parse_as(lesson, "--smoke")
     assert defaults.save_model == "models/my04-smoke.pt" and defaults.own["--optimizer"] == "adam"
@@ -69,6 +74,7 @@ def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(less
     (["--label-smoothing", "1.0"], "argument --label-smoothing: must be in [0, 1), got 1.0"),
     (["--optimizer", "sgd", "--sgd-momentum", "0.9"], "argument --sgd-momentum: not allowed with argument --optimizer"),
     (["--warmup-steps", "99999"], "--warmup-steps 99999: must be below the run's"),
+    (["--ema", "--swa"], "argument --swa: not allowed with argument --ema"),  # exclusive within the group
 ])
 def test_a_lessons_own_refusal_is_one_line_and_comes_before_the_machines(lesson, capsys, flags, says):
     """Without --smoke on this GPU-less machine the machine refuses ("no CUDA GPU found"), but the lesson's own
@@ -85,12 +91,12 @@ def interpreter():
             list(warnings.filters))
 
 
-def test_building_the_parser_changes_nothing_and_a_refusal_puts_back_all(monkeypatch, capsys):
-    """lesson_parser(...) reads no file and installs nothing; a refused parse (a bad value, and a run that falls
-    back to another precision: it sets LT_PRECISION) leaves the interpreter as it found it."""
+def test_building_the_parser_and_parsing_change_nothing(monkeypatch, capsys):
+    """lesson_parser(...) reads no file and installs nothing; a parse, refused or not (and one of a run that falls
+    back to another precision), leaves the interpreter as it found it: what a run changes is RunKeeper's to set."""
     import local_utilities as lu
     monkeypatch.setattr(sys, "argv", [str(ROOT / "04_fabric-vit-mixed-precision.py"), "--smoke", "--epochs", "0"])
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # no bfloat16 units: this run would set LT_PRECISION
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # no bfloat16 units: this run falls back to 32-true
     before = interpreter()
     parser = lu.lesson_parser(epochs=3)
     assert interpreter() == before
@@ -98,6 +104,20 @@ def test_building_the_parser_changes_nothing_and_a_refusal_puts_back_all(monkeyp
         parser.parse_args()
     assert interpreter() == before
     args = lu.lesson_parser(epochs=3).parse_args(["--smoke"])
-    assert os.environ["LT_PRECISION"] == "32-true" and signal.getsignal(signal.SIGINT) != before[0]
-    args.as_found.put_back()
-    assert interpreter() == before
+    assert args.precision == "32-true" and interpreter() == before
+
+
+def test_a_flag_whose_dest_the_run_derives_is_refused(tmp_path, capsys):
+    """A lesson's flag that would set a setting the run derives (its dest one of Settings', but micro_batches and
+    tensor_parallel): refused in one line as the lesson is parsed, naming the flag and the dest; a group's too."""
+    text = (ROOT / "04_fabric-vit-mixed-precision.py").read_text()
+    parse = "    args = parser.parse_args()\n"
+    for declared in ('parser.add_argument("--total-steps", dest="steps", type=int)',
+                     'parser.add_argument_group("g").add_argument("--total-steps", dest="steps", type=int)'):
+        lesson = tmp_path / "my04.py"
+        lesson.write_text(text.replace(parse, f"    {declared}\n{parse}", 1))
+        with pytest.raises(SystemExit) as stopped:
+            parse_as(lesson, "--smoke")
+        err = capsys.readouterr().err.strip()
+        assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+        assert "--total-steps: its dest 'steps' is a setting the run derives (Settings); give it another" in err

@@ -1,6 +1,5 @@
 """The memory lessons: the arithmetic benchmark.py --memory --talk and --sequel print beside what
 they measure, its relations along the sequel's chain, and the chain measured on real runs."""
-import os
 import subprocess
 import sys
 

@@ -47,7 +47,8 @@ def test_a_lost_machine_stops_the_other_with_one_line(tmp_path):
     assert time.monotonic() - began < 15, survivor[-3000:]
     ours = [line for line in survivor.splitlines() if f"{script}: error:" in line]
     assert len(ours) == 1, survivor[-3000:]
-    assert "a process of the run was lost" in ours[0] and "epoch-0001.ckpt" in ours[0]
+    assert "a process of the run stopped (the one at 127.0.0.1:" in ours[0] and "epoch-0001.ckpt" in ours[0]
+    assert "it was lost (a machine died, a process was killed) or it failed (its own output says which" in ours[0]
     assert "the same torchrun/srun launch with --resume added" in ours[0]
     assert "exitcode  : 3" in survivor  # torchrun's summary names the worker's exit code
     assert "Read error" not in survivor and "gloo" not in survivor.replace(
@@ -110,8 +111,8 @@ def test_each_kind_of_run_keeps_its_own_files(tmp_path):
     model_bytes = smoke_model.read_bytes()
     wrong = run_script(script, "--smoke", "--resume", cwd=tmp_path)  # nothing of its kind
     assert wrong.returncode == 2
-    assert (f"{ckpt_dir.relative_to(tmp_path)} holds one: continue it with python {ROOT / script} {' '.join(mixed)} "
-            "--resume") in wrong.stderr
+    assert (f"{ckpt_dir.relative_to(tmp_path)} holds one, made with kind smoke-synthetic (now smoke), max_steps 6 (now "
+            f"None): continue it with python {ROOT / script} {' '.join(mixed)} --resume.") in wrong.stderr, wrong.stderr
     right = run_script(script, *mixed, "--resume", cwd=tmp_path)
     assert right.returncode == 0, right.stderr[-3000:]
     records = read_records(tmp_path / "results" / "runs.jsonl")
@@ -186,7 +187,7 @@ def test_a_signal_mid_epoch_keeps_the_last_epochs_checkpoint(smoke_runs, tmp_pat
     command = f"python {ROOT / script} --smoke --resume"
     assert lines[0].endswith(f"continue with: {command}"), lines[0]
     assert results.read_text() == EARLIER
-    resumed = subprocess.run(["bash", "-c", command.replace("python", sys.executable, 1)], cwd=tmp_path,
+    resumed = subprocess.run(["bash", "-c", command], cwd=tmp_path,
                              env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 of 2 epochs done" in resumed.stdout and "Epoch: 0002/0002 | Batch 0000/" in resumed.stdout
@@ -265,19 +266,19 @@ def test_ctrl_c_at_any_moment_is_one_line(tmp_path):
 SIGTERM_WHILE_STARTING = """
 import os, signal, sys, time
 _sent = []
-def _at_cpuinfo(event, args):  # parse_args reads it to decide a bf16 lesson's precision: its flags are read
-    if event == "open" and str(args[0]) == "/proc/cpuinfo" and not _sent:
+def _at_the_weights(event, args):  # as the smoke ViT's weights load: Fabric made, the folder taken, no training yet
+    if event == "open" and str(args[0]).endswith("smoke-vit-printed-digits.pt") and not _sent:
         _sent.append(True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)  # the handler runs here
-sys.addaudithook(_at_cpuinfo)
+sys.addaudithook(_at_the_weights)
 """
 
 
 @pytest.mark.slow
 def test_a_signal_while_a_run_is_starting_is_one_line(tmp_path):
-    """SIGTERM after the flags are read and before the run is set up (the keeper not made yet):
-    one line saying so, exit 143, no traceback, nothing written."""
+    """SIGTERM as the run is set up (its Fabric made, its folder taken, before training): one line saying so, exit
+    143, no traceback, nothing written (the folder it took is gone again)."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SIGTERM_WHILE_STARTING)
@@ -339,27 +340,31 @@ def model_and_optimizer(args):
 
 
 def resume_in_process(args, model, optimizer, train_loader):
-    """A keeper made and resumed in this process, as a script's `with` block does but for leaving
-    it (which ends a script's process); its folder let go of however it stops."""
-    keeper = None
-    try:
-        keeper = RunKeeper(args)
+    """A keeper entered, started and resumed in this process, in a `with` block as a script's."""
+    with RunKeeper(args) as keeper:
+        keeper.start()
         keeper.resume(model, optimizer, train_loader=train_loader)
-    finally:
-        if keeper:
-            keeper.let_go()
+
+
+def started(args, fabric=None):
+    """A RunKeeper entered and started, as a script's `with` block does, to leave with ended()."""
+    keeper = RunKeeper(args)
+    keeper.__enter__()
+    keeper.start(fabric)
+    return keeper
 
 
 def ended(keeper):
-    """What leaving the `with` block does for a RunKeeper that ran to its end: it lets go of its folder."""
-    keeper.let_go()
+    """What leaving the `with` block does for a RunKeeper that ran to its end: its folder let go of, the
+    process as found."""
+    keeper.__exit__(None, None, None)
 
 
 def keeper_after_steps(args, losses, model=None, optimizer=None):
     """A RunKeeper that has seen one epoch of these step losses (as tensors)."""
     if model is None:
         model, optimizer = model_and_optimizer(args)
-    keeper = RunKeeper(args)
+    keeper = started(args)
     keeper.resume(model, optimizer, train_loader=[None] * len(losses))
     for loss in losses:
         keeper.batch_done(torch.tensor(loss), batch_size=4)
@@ -403,25 +408,66 @@ def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys
     """The README's `python 04... --resume` after a --smoke run: the error names the -smoke
     folder and the command that continues it."""
     (tmp_path / "checkpoints" / "01_pytorch-vit-smoke").mkdir(parents=True)
-    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / LATEST).write_text('{"flags": ["--smoke"]}')
-    args = parse("--resume", "--accelerator", "cpu")
-    args.smoke, args.kind, args.checkpoint_dir = False, "", "checkpoints/01_pytorch-vit"
+    settings = {"vit": "vit_b_16", "batch_size": 16, "seed": 123, "epochs": 2, "max_steps": None, "world_size": 1,
+                "precision": "32-true"}
+    (tmp_path / "checkpoints" / "01_pytorch-vit-smoke" / LATEST).write_text(json.dumps(
+        {"flags": ["--smoke"], "script": "01_pytorch-vit.py", "kind": "smoke", "settings": settings}))
     with pytest.raises(SystemExit) as exit_info:
-        RunKeeper(args)
+        parse_as("01_pytorch-vit.py", "--resume", "--accelerator", "cpu")
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "nothing to resume in checkpoints/01_pytorch-vit (no latest.json)" in err
-    assert "checkpoints/01_pytorch-vit-smoke holds one: continue it with python 01_pytorch-vit.py --smoke --resume" in err
+    assert ("checkpoints/01_pytorch-vit-smoke holds one, made with kind smoke (now full), epochs 2 (now 3): continue it"
+            f" with python {ROOT / '01_pytorch-vit.py'} --smoke --resume.") in err, err
 
 
 def test_fresh_run_refuses_to_overwrite_an_unfinished_one(parse, tmp_path, capsys):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / LATEST).write_text("{}")
     with pytest.raises(SystemExit) as exit_info:
-        RunKeeper(parse("--checkpoint-dir", str(tmp_path / "ck")))
+        parse("--checkpoint-dir", str(tmp_path / "ck"))
     assert exit_info.value.code == 2
     assert "--resume" in capsys.readouterr().err
     assert (tmp_path / "ck" / LATEST).read_text() == "{}"
+
+
+def test_a_fresh_run_in_the_default_folder_is_offered_the_next_free_one(tmp_path, capsys):
+    """The default folder holds an unfinished run: the line offers the folder beside it, its name and -2 (-3 where
+    that is taken), and how to continue and how to start over, in that one line, exit 2."""
+    folder = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
+    folder.mkdir(parents=True)
+    (folder / LATEST).write_text('{"flags": ["--smoke"]}')
+    script = ROOT / "01_pytorch-vit.py"
+    for taken, offered in ((False, "checkpoints/01_pytorch-vit-smoke-2"), (True, "checkpoints/01_pytorch-vit-smoke-3")):
+        if taken:
+            (tmp_path / "checkpoints" / "01_pytorch-vit-smoke-2").mkdir()
+        with pytest.raises(SystemExit) as exit_info:
+            parse_as("01_pytorch-vit.py", "--smoke")
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+        assert err == (f"01_pytorch-vit.py: error: checkpoints/01_pytorch-vit-smoke holds the checkpoint of an "
+                       f"unfinished run: continue it with: python {script} --smoke --resume; or start this one in a "
+                       f"folder of its own: python {script} --smoke --checkpoint-dir {offered}; or start over with: "
+                       f"rm -rf checkpoints/01_pytorch-vit-smoke && rmdir checkpoints 2>/dev/null; python {script} "
+                       "--smoke"), err
+
+
+@pytest.mark.parametrize("error, says", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "error: the GPU ran out of memory"),
+    (RuntimeError("[../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"), None),
+])
+def test_a_known_error_in_another_process_is_said_by_that_process(parse, capsys, error, says):
+    """Process 1 of 2 meets a known error of its own (out of memory): it says it, prefixed with its number, and its
+    code; a lost peer's error is process 0's to say, so process 1 says nothing."""
+    keeper = RunKeeper(parse())
+    keeper.rank, keeper.world_size = 1, 2
+    line, code = keeper.ending(error)
+    keeper.say_the_end(line, error)
+    err = capsys.readouterr().err.strip()
+    if says:
+        assert code == 1 and err.startswith(f"01_pytorch-vit.py: process 1: {says}"), err
+    else:
+        assert code == 3 and err == "", err
 
 
 def write_checkpoint(args, **meta):
@@ -450,15 +496,14 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     ck = str(tmp_path / "ck")
     write_checkpoint(parse("--checkpoint-dir", ck))
     before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}
-    args = parse("--resume", "--checkpoint-dir", ck, *flags)
-    model, optimizer = model_and_optimizer(args)
-    with pytest.raises(SystemExit) as exit_info:
-        resume_in_process(args, model, optimizer, train_loader=[None])
+    with pytest.raises(SystemExit) as exit_info:  # as the flags are read, before any work
+        parse("--resume", "--checkpoint-dir", ck, *flags)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and difference in err, err
-    assert f"; continue it as started: python 01_pytorch-vit.py --smoke --checkpoint-dir {ck} --resume;" in err
-    elsewhere = " ".join(["python 01_pytorch-vit.py --smoke", *flags, "--checkpoint-dir", f"{ck}-2"])
+    script = ROOT / "01_pytorch-vit.py"  # as the flags were read
+    assert f"; continue it as started: python {script} --smoke --checkpoint-dir {ck} --resume;" in err
+    elsewhere = " ".join([f"python {script} --smoke", *flags, "--checkpoint-dir", f"{ck}-2"])
     assert err.endswith(f"; or start this one in a folder of its own: {elsewhere}") and "rm -rf" not in err, err
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
@@ -473,10 +518,8 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     ck = str(tmp_path / "ck")
     write_checkpoint(parse("--checkpoint-dir", ck), **meta)
     before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}
-    args = parse("--resume", "--checkpoint-dir", ck)
-    model, optimizer = model_and_optimizer(args)
     with pytest.raises(SystemExit) as exit_info:
-        resume_in_process(args, model, optimizer, train_loader=[])
+        parse("--resume", "--checkpoint-dir", ck)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
@@ -498,7 +541,7 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     assert checkpoint.read_bytes() == corrupt
     (ck / LATEST).write_text("{not json")
     with pytest.raises(SystemExit):
-        resume_in_process(args, model, optimizer, train_loader=[])
+        parse("--resume", "--checkpoint-dir", str(ck))
     assert "corrupt" in capsys.readouterr().err
 
 
@@ -522,7 +565,7 @@ def test_a_damaged_checkpoint_names_the_start_over_that_leaves_no_empty_folder(p
                        "python 01_pytorch-vit.py --smoke --max-steps 2"), command
     stopped = subprocess.run(["bash", "-c", command.replace("python ", "exit 130 #", 1)], cwd=tmp_path)
     assert stopped.returncode == 130 and not (tmp_path / "checkpoints").exists()
-    started = subprocess.run(["bash", "-c", command.replace("python 01", f"{sys.executable} {ROOT}/01", 1)],
+    started = subprocess.run(["bash", "-c", command.replace("python 01", f"python {ROOT}/01", 1)],
                              cwd=tmp_path, env=script_env(tmp_path), capture_output=True, text=True, timeout=240)
     assert started.returncode == 0, started.stderr[-2000:]
     assert "Resuming" not in started.stdout and len(read_records(tmp_path / "results" / "runs.jsonl")) == 1
@@ -541,13 +584,13 @@ def test_a_torchrun_restart_continues_its_run(parse, tmp_path, monkeypatch, caps
     write_checkpoint(parse())  # after one epoch, by a process torchrun started as run-a
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restart)
-    args = parse()
     if not continues:
         with pytest.raises(SystemExit) as exit_info:
-            RunKeeper(args)
+            parse()
         assert exit_info.value.code == 2 and "holds the checkpoint of an unfinished run" in capsys.readouterr().err
         return
-    keeper = RunKeeper(args)
+    args = parse()
+    keeper = started(args)
     keeper.resume(*model_and_optimizer(args), train_loader=[None] * 4)
     assert keeper.start_epoch == 1  # epoch 2 is next
     out = capsys.readouterr().out
@@ -566,7 +609,7 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     ended(keeper)
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
-    resumed = RunKeeper(args)
+    resumed = started(args)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None] * 2)
     assert torch.equal(fresh.conv_proj.weight, model.conv_proj.weight)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
@@ -584,7 +627,7 @@ def test_a_scheduler_handed_over_is_kept_and_restored(parse, tmp_path):
     scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
     optimizer.step()
     scheduler.step()
-    keeper = RunKeeper(args)
+    keeper = started(args)
     keeper.keep_in_checkpoints(scheduler)
     keeper.resume(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
@@ -593,7 +636,7 @@ def test_a_scheduler_handed_over_is_kept_and_restored(parse, tmp_path):
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
     fresh_scheduler = torch.optim.lr_scheduler.ExponentialLR(fresh_optimizer, gamma=0.9)
-    resumed = RunKeeper(args)
+    resumed = started(args)
     resumed.keep_in_checkpoints(fresh_scheduler)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
     assert fresh_scheduler.last_epoch == 1 and fresh_optimizer.param_groups[0]["lr"] == pytest.approx(5e-5 * 0.9)
@@ -610,7 +653,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     model = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
     model.get_parameter("conv_proj.weight").data.fill_(0.25)
-    keeper = RunKeeper(args, fabric)
+    keeper = started(args, fabric)
     keeper.resume(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
     keeper.checkpoint(val_acc=0.5)
@@ -618,7 +661,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     args = parse("--resume", "--checkpoint-dir", str(tmp_path / "ck"))
     fresh = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
     fresh_optimizer = fabric.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=5e-5))
-    resumed = RunKeeper(args, fabric)
+    resumed = started(args, fabric)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and bool((fresh.get_parameter("conv_proj.weight") == 0.25).all())
     ended(resumed)
@@ -646,7 +689,7 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     assert not (keeper.folder / "epoch-0002.ckpt").exists() and (keeper.folder / "epoch-0002.ckpt.tmp").exists()
     args = parse("--resume", "--checkpoint-dir", "ck")
     fresh, fresh_optimizer = model_and_optimizer(args)
-    resumed = RunKeeper(args)
+    resumed = started(args)
     resumed.resume(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and not (keeper.folder / "epoch-0002.ckpt.tmp").exists()
     ended(resumed)
@@ -656,9 +699,8 @@ def test_a_refused_start_leaves_no_lock_and_no_folder(parse, tmp_path, capsys):
     """`--resume` with nothing to resume, in a folder of no run: one line, exit 2, and no checkpoints/ folder
     and no .lock left behind (the lock is taken before the refusal and let go with it); one machine is not
     told to share its folder with others."""
-    args = parse("--resume")
     with pytest.raises(SystemExit) as exit_info:
-        RunKeeper(args)
+        parse("--resume")
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "nothing to resume" in err and "machine" not in err, err
     assert not (tmp_path / "checkpoints").exists()
@@ -666,8 +708,17 @@ def test_a_refused_start_leaves_no_lock_and_no_folder(parse, tmp_path, capsys):
     held.mkdir()
     (held / "notes.txt").write_text("the user's")  # a folder that holds something of the user's: kept as it was
     with pytest.raises(SystemExit):
-        RunKeeper(parse("--resume", "--checkpoint-dir", str(held)))
+        parse("--resume", "--checkpoint-dir", str(held))
     assert [p.name for p in held.iterdir()] == ["notes.txt"]
+    holder = RunKeeper(parse("--checkpoint-dir", str(held)))  # a run that takes the folder, then is refused
+    with pytest.raises(SystemExit) as exit_info, holder:
+        holder.start()
+        raise SystemExit(2)
+    assert exit_info.value.code == 2 and [p.name for p in held.iterdir()] == ["notes.txt"]
+    with pytest.raises(SystemExit), RunKeeper(parse()) as keeper:  # the default folder: none left behind
+        keeper.start()
+        raise SystemExit(2)
+    assert not (tmp_path / "checkpoints").exists()
 
 
 @pytest.mark.parametrize("script, flags, saved, difference", [
@@ -681,19 +732,17 @@ def test_resume_refuses_another_model_or_another_value_of_a_lessons_own_flag(scr
     """What changes what a checkpoint holds, --vit and a lesson's own flags among it, is refused in one line
     that names it and continues the run as it started, before the checkpoint is read."""
     ck = tmp_path / "ck"
-    args = parse_as(script, *flags, "--resume", "--checkpoint-dir", str(ck))
-    sys.argv[0] = script
+    args = parse_as(script, *flags, "--checkpoint-dir", str(ck))
     ck.mkdir()
     settings = {key: getattr(args, key) for key in ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size",
                                                      "precision")} | args.own | saved
     (ck / LATEST).write_text(json.dumps({"checkpoint": "epoch-0001.ckpt", "script": args.script, "kind": args.kind,
                                          "settings": settings, "flags": ["--first", "flags"]}))
-    model = lu.smoke_vit()
     with pytest.raises(SystemExit) as exit_info:
-        resume_in_process(args, model, torch.optim.Adam(model.parameters()), train_loader=[None])
+        parse_as(script, *flags, "--resume", "--checkpoint-dir", str(ck))
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and difference in err, err
-    assert f"continue it as started: python {script} --first flags --resume" in err
+    assert f"continue it as started: python {ROOT / script} --first flags --resume" in err
 
 
 def test_a_checkpoint_that_does_not_fit_is_not_called_damaged(parse, tmp_path, capsys):
@@ -719,7 +768,7 @@ def test_a_resumed_runs_peak_is_the_peak_of_all_its_sessions(parse):
     keeper.peak_gb = 123.0  # a first session's peak, above any this process reaches
     keeper.checkpoint(val_acc=0.5)
     ended(keeper)
-    resumed = RunKeeper(parse("--resume"))
+    resumed = started(parse("--resume"))
     resumed.resume(model, optimizer, train_loader=[None])
     assert resumed.peak_gb == 123.0 and resumed.start_epoch == 1
     ended(resumed)

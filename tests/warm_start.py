@@ -19,10 +19,19 @@ a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK), a
 where the server did not start. test_scripts.py checks that a forked run and a fresh one print,
 record and save the same.
 
+The processes a script starts (Lightning's launcher's, benchmark.py's runs, a documented command's
+`python`) start as `python` does on the PATH the tests give every program, or as sys.executable,
+which is that `python` in a forked copy: tests/warm_python/python, which asks this pytest process's
+server for a copy the same way (as_python), where the environment fits and nothing but the standard
+streams is handed over, and otherwise is the interpreter itself. Such a copy's process stands in for
+its `python` whole: its signals, its exit code, its death by a signal (kill -9 of the `python`
+kills the copy).
+
 The multiprocessing module's forkserver preloads modules too, but runs a function, not a
 script: its processes end with os._exit (no exit handlers, which the scripts' checkpoint lock
 needs), and it gives neither the standard streams nor a program's exit codes.
 """
+import contextlib
 import importlib
 import json
 import os
@@ -40,19 +49,42 @@ PRELOAD = ("torch", "torchvision", "lightning", "torchmetrics", "watermark")
 # loads: a test's own torch hub cache, and the settings of the tests' hooks (sitecustomize.py),
 # which are named HOOK_* wherever a test sets one, so that no list here must follow them
 PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST"}
+# PATH too: the libraries read it as they load only to look for programs no run here uses (torchmetrics: latex); a
+# compiler, Lightning's srun, are looked for as a run goes
 HOOK_SETTING = "HOOK_"
+# What a running program adds to the environment of the processes it starts, read as a run starts, never as a library
+# loads (but Lightning's rank, which `become` reads again): Lightning's launcher's address, ranks and the run's
+# precision, torch.compile's cache folder, and what a shell sets (PWD, OLDPWD, SHLVL, _)
+SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
+                  "LT_PRECISION", "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "SHLVL", "_"}
+# The server's socket (conftest sets it for each pytest process), and the `python` that asks it for a copy
+ADDRESS = "HOOK_WARM_START"
+PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_python", "python")
+
+
+def fits(env, server_env, loaded):
+    """Whether a run in `env` can be a copy of a server started in `server_env`: the same environment wherever a
+    library could read it as it loads (but what the libraries set as they loaded, `loaded`); a PYTHONPATH of its own
+    (its hooks) where the server has none."""
+    differs = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
+    may_differ = PER_RUN | SET_AS_IT_RUNS | {"PATH"} | ({"PYTHONPATH"} if not server_env.get("PYTHONPATH") else set())
+    return all(k in may_differ or k.startswith(HOOK_SETTING) or env.get(k) == loaded.get(k) for k in differs)
 
 
 # -- The server: `python warm_start.py SOCKET` --------------------------------------------------
 def serve(address):
     """Import the libraries, then fork one process per request. Returns only in a forked copy,
     set up as the request's script's process: the request."""
+    found = dict(os.environ)
     for name in PRELOAD:
         __import__(name)
     if sys.modules["torch"].cuda.is_initialized():  # a CUDA context does not survive a fork
         sys.exit("a library initialised CUDA as it loaded: nothing can be forked from here")
+    loaded = {k: v for k, v in os.environ.items() if found.get(k) != v}  # Lightning's PYTORCH_NVML_BASED_CUDA_CHECK
     import gc
     gc.freeze()  # the libraries' objects, shared with every copy, are never walked by its collector
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)  # a socket left by an earlier pytest process of the same pid
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address)
     listener.listen(16)
@@ -65,39 +97,68 @@ def serve(address):
             if key.fileobj is listener:
                 conn = listener.accept()[0]
                 message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-                pid = os.fork()
-                if pid == 0:
-                    listener.close()
-                    conn.close()
-                    return become(json.loads(message), fds)
+                request = json.loads(message)
+                if not fits(request["env"], found, loaded):  # a `python` asking (as_python): it runs itself
+                    conn.sendall(b"no\n")
+                else:
+                    pid = os.fork()
+                    if pid == 0:
+                        listener.close()
+                        conn.close()
+                        return become(request, fds, loaded)
+                    conn.sendall(f"{pid}\n".encode())
+                    waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+                    if "python" in request:  # the copy dies with the `python` it stands in for
+                        try:
+                            waiting.register(os.pidfd_open(request["python"]), selectors.EVENT_READ, ("python", pid))
+                        except ProcessLookupError:  # gone already
+                            os.kill(pid, signal.SIGKILL)
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(f"{pid}\n".encode())
-                waiting.register(os.pidfd_open(pid), selectors.EVENT_READ, (pid, conn))
+            elif key.data[0] == "python":  # a copy's `python` ended (killed): so does the copy, and all it started
+                waiting.unregister(key.fileobj)
+                os.close(key.fd)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(key.data[1], signal.SIGKILL)
             else:  # a script's process ended: its exit code, as subprocess gives it
                 pid, conn = key.data
                 waiting.unregister(key.fileobj)
                 os.close(key.fd)
+                for other in list(waiting.get_map().values()):  # its `python`, if any, is watched no more
+                    if other.data and other.data[0] == "python" and other.data[1] == pid:
+                        waiting.unregister(other.fileobj)
+                        os.close(other.fd)
                 code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
                 try:
                     conn.sendall(f"{code}\n".encode())
                 except OSError:  # the test stopped waiting
                     pass
                 conn.close()
+    sys.exit()  # the pytest process has gone: so does its server
 
 
-def become(request, fds):
-    """This forked copy as `python SCRIPT FLAGS` in the request's folder and environment."""
+def become(request, fds, loaded):
+    """This forked copy as `python SCRIPT FLAGS` in the request's folder and environment (with what the libraries
+    set in it as they loaded), the processes it starts asking for copies too (sys.executable)."""
     os.setsid()
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
     os.environ.clear()
+    os.environ.update(loaded)
     os.environ.update(request["env"])
+    from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
+    # what Lightning read as it loaded (a launcher's LOCAL_RANK), read again, as lightning/fabric/utilities/rank_zero.py
+    rank_zero_only.rank = _get_rank() or 0  # ty: ignore[missing-attribute]: set as Lightning sets it
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.executable = PYTHON
     sys.argv = request["argv"]
-    sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # as Python sets it: links followed
+    if sys.argv[0] == "-m":  # `python -m MODULE`: its sys.argv[0] the module's file, which runpy sets
+        sys.argv = ["-m", *sys.argv[2:]]
+        sys.path[0] = os.getcwd()
+    else:
+        sys.path[0] = os.path.dirname(os.path.realpath(sys.argv[0]))  # as Python sets it: links followed
     hooks = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if hooks:  # where a fresh interpreter puts them, and the sitecustomize there imported, as site
         sys.path[1:1] = hooks  # does at start-up (here after the libraries: the hooks patch what a
@@ -122,9 +183,7 @@ class WarmStarts:
         """Whether a run in `env` can be forked from the server (started here at the first that
         can): the same environment wherever a library could read it as it loads; a PYTHONPATH
         of its own (its hooks) where the server has none."""
-        differs = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        may_differ = PER_RUN | ({"PYTHONPATH"} if not self.env.get("PYTHONPATH") else set())
-        return all(k in may_differ or k.startswith(HOOK_SETTING) for k in differs) and self.ready()
+        return fits(env, self.env, {}) and self.ready()
 
     def ready(self):
         if self.server is None and not self.failed:
@@ -228,8 +287,55 @@ class Started:
         self.send_signal(signal.SIGKILL)
 
 
-def run_as_main():
-    """The script as `python SCRIPT` runs it, to its end as Python ends it (its exit code, its uncaught
+def as_python(args):
+    """`python ARGS`, run by tests/warm_python/python: a copy from this pytest process's server where ARGS name a
+    script (or `-m MODULE`), nothing but the standard streams is open and the server says the environment fits; else the
+    interpreter itself. This process then stands in for the copy: it hands the copy its signals, and ends as the
+    copy ends (its exit code, or its signal); killed, the server kills the copy."""
+    listed = [int(fd) for fd in os.listdir("/proc/self/fd")]  # the listing's own descriptor is closed by now
+    handed = [fd for fd in listed if fd > 2 and is_open(fd)]
+    script = bool(args) and args[0].endswith(".py")
+    module = len(args) > 1 and args[0] == "-m"
+    if (script or module) and not handed and os.environ.get(ADDRESS):
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(os.environ[ADDRESS])
+            request = {"argv": args, "cwd": os.getcwd(), "env": dict(os.environ), "python": os.getpid()}
+            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+            replies = conn.makefile()
+            reply = replies.readline().strip()
+        except OSError:  # no server (it did not start, or has gone)
+            reply = "no"
+        if reply.isdigit():
+            stand_in_for(int(reply), replies)
+    os.execv(sys.executable, [sys.executable, *args])
+
+
+def is_open(fd):
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def stand_in_for(pid, replies):
+    """Hand the copy `pid` every signal this process can catch, then end as it ended (the server's reply)."""
+    def hand_on(signum, _):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, hand_on)
+    reply = replies.readline().strip()
+    code = int(reply) if reply.lstrip("-").isdigit() else 1  # no reply: the server has gone
+    if code < 0:  # died by a signal: so does this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+def run_as_main(request):
+    """The script as `python SCRIPT` (or `python -m MODULE`) runs it, to its end as Python ends it (its exit code, its uncaught
     exception's traceback, death by SIGINT for an uncaught KeyboardInterrupt, its exit handlers), but for the
     interpreter's teardown of the libraries' modules, which nothing of a run happens in and which costs 1.5 s
     of a 2-core CPU a run (torch, Lightning): the copy ends after its exit handlers."""
@@ -237,7 +343,10 @@ def run_as_main():
     import traceback
     code, by_signal = 0, False
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        if request["argv"][0] == "-m":
+            runpy.run_module(request["argv"][1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(sys.argv[0], run_name="__main__")
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
         if not isinstance(stop.code, (int, type(None))):
@@ -263,5 +372,7 @@ def run_as_main():
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--as-python":
+        as_python(sys.argv[2:])
     request = serve(sys.argv[1])  # returns only in a forked copy, which is the script's process now
-    run_as_main()
+    run_as_main(request)
