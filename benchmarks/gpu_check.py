@@ -310,7 +310,7 @@ def print_plan(args, gpus):
     from benchmarks.runs import SCRIPTS, measured_with
 
     def memory_runs(planned):
-        return [f"{n} on {memory.VITS[vit]}, {count} process(es){measured_with(SCRIPTS[n])[1]}" for vit, n, count in planned]
+        return [f"{n} on {memory.MODEL_NAMES[vit]}, {count} process(es){measured_with(SCRIPTS[n])[1]}" for vit, n, count in planned]
     for number, (name, kind, title, settings, runs) in enumerate(plan(args), 1):
         if kind == "memory":
             planned, notes = memory.memory_plan(memory_args(args, settings, runs), True, 0.0, gpus=gpus)

@@ -417,11 +417,11 @@ def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     assert resident_after_free(**runs.EXACT_MALLOC) < 50
 
 
-def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch):
+def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch, capsys):
     """gpu_check.sh's plan on a GPU machine, stood in whole (its nvidia-smi and torch.cuda's answers;
     no GPU here): the stages in their order of value, each with the lessons lessons.csv gives it
     (a lesson added with a gpu_check stage is in it, and its title names it); the report names the
-    GPU as nvidia-smi does."""
+    GPU as nvidia-smi does; --plan --smoke names the smoke ViT its memory stage would run."""
     from benchmarks import gpu_check
     from gpu_machine.machine import stand_in
     stand_in(monkeypatch, "1 x NVIDIA H200, driver 570.86.15", build="12.8")
@@ -440,6 +440,8 @@ def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path,
     check = gpu_check.Check(args)
     assert "GPU (name, driver, memory): NVIDIA H200, 570.86.15, 143771 MiB; GPUs the scripts see: 1" \
         in gpu_check.report_text(check)
+    gpu_check.print_plan(gpu_check.parse_args(["--plan", "--smoke"]), 1)  # its memory stage on the smoke ViT
+    assert "11 on the smoke ViT, 1 process(es)" in capsys.readouterr().out
 
 
 BLOCK_IPYTHON = """
