@@ -106,6 +106,13 @@ def warm_starts():
     return _warm[0]
 
 
+def pytest_runtest_setup(item):
+    """A slow test's processes (a script, a tool's `python`, a bash command's) find the server up: started here, at
+    this pytest process's first slow test (the quick tier starts no script, and no server)."""
+    if item.get_closest_marker("slow"):
+        warm_starts().ready()
+
+
 def pytest_unconfigure(config):
     if _warm:
         _warm[0].stop()

@@ -15,7 +15,7 @@ import torch
 
 import benchmark
 from benchmarks import memory, peaks, runs, throughput
-from conftest import ROOT, read_records, script_env
+from conftest import ROOT, read_records, script_env, warm_starts
 from warm_start import PYTHON
 from run_keeping.reading import lessons
 from run_keeping.reading import read_runs, upgrade
@@ -406,15 +406,21 @@ print(round(rss_mb() - base))
 @pytest.mark.slow
 def test_memory_runs_count_what_a_process_holds_not_what_malloc_keeps(tmp_path):
     """400 MB freed between small tensors that stay: glibc's default keeps it resident, which
-    --memory would count as held; with runs.EXACT_MALLOC it is handed back."""
-    def resident_after_free(**env):
-        proc = subprocess.run([sys.executable, "-c", FREED_BUT_RESIDENT], capture_output=True,
-                              text=True, timeout=120, env=dict(os.environ, **env))
+    --memory would count as held; with runs.EXACT_MALLOC it is handed back: in a fresh interpreter, and in a script
+    the tests' `python` runs (a warm copy, given them by mallopt: tests/warm_start.py)."""
+    (tmp_path / "freed.py").write_text(FREED_BUT_RESIDENT)
+    assert warm_starts().ready()  # the server the script's `python` asks for a copy
+
+    def resident_after_free(how, **env):
+        proc = subprocess.run(["python", *how], capture_output=True, text=True, timeout=120,
+                              env=script_env(tmp_path, **env))
         assert proc.returncode == 0, proc.stderr
         return int(proc.stdout.split()[-1])
-    if resident_after_free() < 200:
+    if resident_after_free(["-c", FREED_BUT_RESIDENT]) < 200:
         pytest.skip("this C library hands freed memory back by itself")
-    assert resident_after_free(**runs.EXACT_MALLOC) < 50
+    assert resident_after_free(["-c", FREED_BUT_RESIDENT], **runs.EXACT_MALLOC) < 50
+    assert resident_after_free([str(tmp_path / "freed.py")]) >= 200  # a copy keeps it as a fresh one does
+    assert resident_after_free([str(tmp_path / "freed.py")], **runs.EXACT_MALLOC) < 50
 
 
 def test_gpu_check_plans_its_stages_from_the_lessons_and_names_the_gpu(tmp_path, monkeypatch, capsys):

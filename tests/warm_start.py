@@ -54,9 +54,13 @@ PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST"}
 HOOK_SETTING = "HOOK_"
 # What a running program adds to the environment of the processes it starts, read as a run starts, never as a library
 # loads (but Lightning's rank, which `become` reads again): Lightning's launcher's address, ranks and the run's
-# precision, torch.compile's cache folder, and what a shell sets (PWD, OLDPWD, SHLVL, _)
+# precision, torch.compile's cache folder, what a shell sets (PWD, OLDPWD, SHLVL, _), and gpu_check.sh's PYTHON
 SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
-                  "LT_PRECISION", "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "SHLVL", "_"}
+                  "LT_PRECISION", "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "SHLVL", "_",
+                  "PYTHON"}  # gpu_check.sh's interpreter, read by the shell script alone
+# glibc's malloc tunables (benchmarks/runs.py's EXACT_MALLOC), read as the C library starts: a copy sets them as glibc's
+# start-up does, by mallopt (<malloc.h>: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3), which fixes each threshold as they do
+MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
 # The server's socket (conftest sets it for each pytest process), and the `python` that asks it for a copy
 ADDRESS = "HOOK_WARM_START"
 PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "warm_python", "python")
@@ -67,7 +71,9 @@ def fits(env, server_env, loaded):
     library could read it as it loads (but what the libraries set as they loaded, `loaded`); a PYTHONPATH of its own
     (its hooks) where the server has none."""
     differs = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
-    may_differ = PER_RUN | SET_AS_IT_RUNS | {"PATH"} | ({"PYTHONPATH"} if not server_env.get("PYTHONPATH") else set())
+    may_differ = PER_RUN | SET_AS_IT_RUNS | MALLOPT.keys() | {"PATH"}
+    if not server_env.get("PYTHONPATH"):
+        may_differ |= {"PYTHONPATH"}
     return all(k in may_differ or k.startswith(HOOK_SETTING) or env.get(k) == loaded.get(k) for k in differs)
 
 
@@ -148,6 +154,10 @@ def become(request, fds, loaded):
     os.environ.clear()
     os.environ.update(loaded)
     os.environ.update(request["env"])
+    import ctypes
+    for name, parameter in MALLOPT.items():
+        if name in os.environ:
+            ctypes.CDLL(None).mallopt(parameter, int(os.environ[name]))
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
     # what Lightning read as it loaded (a launcher's LOCAL_RANK), read again, as lightning/fabric/utilities/rank_zero.py
     rank_zero_only.rank = _get_rank() or 0  # ty: ignore[missing-attribute]: set as Lightning sets it
