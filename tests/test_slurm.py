@@ -4,13 +4,12 @@ submitted with sbatch; the same job requeued in the middle of an epoch by `scont
 continuing by itself to the same finished run; a launch whose task counts differ from the
 flags; and `srun --pty bash`'s job name, under which Lightning ignores SLURM."""
 import json
-import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, read_records
+from conftest import ROOT, read_records, script_env
 
 TOOL = ROOT / "tools" / "local_slurm.sh"
 # In process 0 of the first run only: after the 80th optimizer step (the second epoch's 6th
@@ -24,8 +23,8 @@ _steps = [0]
 def _pause(*args):
     _steps[0] += 1
     if _steps[0] == 80 and os.environ.get("SLURM_PROCID") == "0" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-        Path(os.environ["PAUSED"]).touch()
-        while not Path(os.environ["GO_ON"]).exists():
+        Path(os.environ["HOOK_PAUSED"]).touch()
+        while not Path(os.environ["HOOK_GO_ON"]).exists():
             time.sleep(0.05)
 register_optimizer_step_post_hook(_pause)
 """
@@ -54,7 +53,7 @@ def slurm(tmp_path):
     if started.returncode == 5:
         pytest.skip(started.stderr.strip())  # this machine cannot run the daemons: said in one line
     assert started.returncode == 0, started.stderr
-    env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"), OMP_NUM_THREADS="1")
+    env = script_env(tmp_path, SLURM_CONF=str(folder / "slurm.conf"))
     work = tmp_path / "work"
     work.mkdir()
     for script in ROOT.glob("[01][0-9]_*.py"):
@@ -96,7 +95,7 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     site.mkdir()
     (site / "sitecustomize.py").write_text(PAUSE)
     paused, go_on = tmp_path / "paused", tmp_path / "go-on"
-    requeued_env = dict(env, PYTHONPATH=str(site), PAUSED=str(paused), GO_ON=str(go_on))
+    requeued_env = dict(env, PYTHONPATH=str(site), HOOK_PAUSED=str(paused), HOOK_GO_ON=str(go_on))
     again = submit(job, requeued_env, work, tmp_path / "requeued.out")
     wait_until(paused.exists, 300, "the second epoch")
     subprocess.run(["scontrol", "requeue", again], env=env, check=True)

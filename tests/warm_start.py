@@ -13,8 +13,9 @@ copy becomes the script's process as `python SCRIPT FLAGS` would make it:
   the suite it runs in, as a fresh interpreter would.
 
 What a fork cannot make fresh is what the libraries read as they load: the environment then.
-A script whose environment differs from the server's in anything but the keys in PER_RUN and the
-HOOK_* settings (a test's own torch hub cache, its hooks' settings) starts a fresh interpreter instead, as does one
+A script whose environment differs from the server's in anything but what `fits` lets differ (a test's own torch hub
+cache, its hooks' HOOK_* settings, what a launcher or SLURM sets for a process, glibc's malloc tunables, which a copy
+sets by mallopt) starts a fresh interpreter instead, as does one
 a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK), and every script
 where the server did not start. test_scripts.py checks that a forked run and a fresh one print,
 record and save the same.
@@ -58,6 +59,9 @@ HOOK_SETTING = "HOOK_"
 SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
                   "LT_PRECISION", "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "SHLVL", "_",
                   "PYTHON"}  # gpu_check.sh's interpreter, read by the shell script alone
+# What SLURM sets for a job's task (slurmd, srun), read by Lightning as a run starts (SLURMEnvironment), never as a
+# library loads; a copy's temporary folder is read again from its TMPDIR (become)
+SET_BY_SLURM = ("SLURM_", "SLURMD_", "SRUN_", "ENVIRONMENT", "HOSTNAME", "TMPDIR")
 # glibc's malloc tunables (benchmarks/runs.py's EXACT_MALLOC), read as the C library starts: a copy sets them as glibc's
 # start-up does, by mallopt (<malloc.h>: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3), which fixes each threshold as they do
 MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
@@ -74,7 +78,8 @@ def fits(env, server_env, loaded):
     may_differ = PER_RUN | SET_AS_IT_RUNS | MALLOPT.keys() | {"PATH"}
     if not server_env.get("PYTHONPATH"):
         may_differ |= {"PYTHONPATH"}
-    return all(k in may_differ or k.startswith(HOOK_SETTING) or env.get(k) == loaded.get(k) for k in differs)
+    return all(k in may_differ or k.startswith((HOOK_SETTING, *SET_BY_SLURM)) or env.get(k) == loaded.get(k)
+               for k in differs)
 
 
 # -- The server: `python warm_start.py SOCKET` --------------------------------------------------
@@ -155,6 +160,8 @@ def become(request, fds, loaded):
     os.environ.update(loaded)
     os.environ.update(request["env"])
     import ctypes
+    import tempfile
+    tempfile.tempdir = None  # found again from TMPDIR, as at a fresh interpreter's first gettempdir()
     for name, parameter in MALLOPT.items():
         if name in os.environ:
             ctypes.CDLL(None).mallopt(parameter, int(os.environ[name]))
