@@ -745,6 +745,26 @@ def test_resume_refuses_another_model_or_another_value_of_a_lessons_own_flag(scr
     assert f"continue it as started: python {ROOT / script} --first flags --resume" in err
 
 
+def test_resume_in_the_default_folder_names_the_run_of_another_value_of_a_lessons_own_flag(tmp_path, capsys):
+    """Without --checkpoint-dir a changed value of a lesson's own flag names another folder (the run's name holds it):
+    --resume is refused in one line, before any work, that names the folder of the value the run started with and
+    the command that continues it."""
+    script, flags = "10_fabric-vit-tensor-parallel.py", ["--smoke", "--devices", "2"]
+    started = parse_as(script, *flags, "--tensor-parallel", "2")
+    folder = tmp_path / started.checkpoint_dir
+    folder.mkdir(parents=True)
+    settings = {key: getattr(started, key) for key in ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size",
+                                                        "precision")} | started.own
+    (folder / LATEST).write_text(json.dumps({"checkpoint": "epoch-0001.ckpt", "script": started.script,
+                                             "kind": started.kind, "settings": settings, "flags": ["--first", "flags"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_as(script, *flags, "--tensor-parallel", "1", "--resume")
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    held = f"{started.checkpoint_dir} holds one, made with "  # and the batch a process takes, which it sets
+    assert held in err and "--tensor-parallel 2 (now 1): continue it with python " in err.split(held)[1], err
+
+
 def test_a_checkpoint_that_does_not_fit_is_not_called_damaged(parse, tmp_path, capsys):
     """A whole checkpoint that the model built now does not take (another version of the script): one line,
     exit 2, that says so and how to continue as it started, never to delete it."""
