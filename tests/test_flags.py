@@ -21,7 +21,7 @@ import make_smoke_weights
 import plot_results
 
 
-SCRIPTS = sorted(p.name for p in ROOT.glob("[01][0-9]_*.py"))
+SCRIPTS = sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py"))
 TOOLS = {"benchmark.py": benchmark.parse_args, "plot_results.py": plot_results.main,
          "make_smoke_weights.py": make_smoke_weights.main}
 # Flags a smoke run refuses, so their wrong values are tried on a full run (on the CPU)

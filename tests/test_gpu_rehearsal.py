@@ -24,7 +24,7 @@ GPUS = {"NVIDIA A100-SXM4-80GB": 80e9, "NVIDIA H100 80GB HBM3": 80e9, "NVIDIA H2
 def precisions_the_scripts_produce():
     """Each precision a numbered script asks Fabric for (00-02 and plain Fabric: 32-true), and
     what a device without bfloat16 runs instead, 32-true (run_keeping/device.py)."""
-    asked = {m for path in ROOT.glob("[01][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
+    asked = {m for path in ROOT.glob("[0-9][0-9]_*.py") for m in re.findall(r'precision="([\w-]+)"', path.read_text())}
     return asked | {"32-true"}
 
 

@@ -17,7 +17,7 @@ import figures  # noqa: E402  (the README's blocks: tools/figures.py)
 SHARED = [ROOT / "local_utilities.py", ROOT / "parallelize.py", *sorted((ROOT / "run_keeping").glob("*.py"))]
 TOOLS = [ROOT / "benchmark.py", *sorted((ROOT / "benchmarks").glob("*.py")), ROOT / "plot_results.py",
          ROOT / "make_smoke_weights.py"]
-LESSONS = sorted(ROOT.glob("[01][0-9]_*.py"))
+LESSONS = sorted(ROOT.glob("[0-9][0-9]_*.py"))
 DOCS = sorted(p.name for p in (ROOT / "docs").glob("*.md"))  # every page, each linked from the README
 
 
@@ -278,7 +278,7 @@ def lines_of_the_page(tag, number):
 
 @pytest.mark.slow
 def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
-    """A contributor's lesson 17 (04 plus a switch of its own, --channels-last), added to a copy of the
+    """A contributor's lesson (the next free number: 17 today; 04 plus a switch of its own, --channels-last), added to a copy of the
     project by docs/adding-a-lesson.md alone: its lines from the page's blocks, one row of lessons.csv that
     measures it with the switch on, `python tools/figures.py`. Then the whole quick tier passes on the copy;
     --help and the flags page show the switch; the GPU check's plan and the talk's memory table run it with

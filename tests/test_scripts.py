@@ -356,7 +356,7 @@ def test_each_changed_line_is_tagged_and_no_unchanged_one(a, b, budget):
                                                 f"# [{b[:2]}] instead of ...: (docs/adding-a-lesson.md)"])
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("[01][0-9]_*.py")))
+@pytest.mark.parametrize("script", sorted(p.name for p in ROOT.glob("[0-9][0-9]_*.py")))
 def test_every_inherited_tag_is_its_lessons_own(script):
     """A tag of another lesson is that lesson's: an earlier lesson of this one's chain, which
     changed that line (as it stands here) and tagged it. Scripts outside the chain (08, 09)
@@ -365,7 +365,7 @@ def test_every_inherited_tag_is_its_lessons_own(script):
     while number in AGAINST:
         number = AGAINST[number][:2]
         ancestors.append(number)
-    names = {p.name[:2]: p.name for p in ROOT.glob("[01][0-9]_*.py")}
+    names = {p.name[:2]: p.name for p in ROOT.glob("[0-9][0-9]_*.py")}
     for n, line in enumerate((ROOT / script).read_text().splitlines(), 1):
         for tag in set(TAG.findall(line)) - {script[:2]}:
             assert tag in ancestors, f"{script}:{n}: a tag of {tag}, which is not a lesson before it"

@@ -56,7 +56,7 @@ def slurm(tmp_path):
     env = script_env(tmp_path, SLURM_CONF=str(folder / "slurm.conf"))
     work = tmp_path / "work"
     work.mkdir()
-    for script in ROOT.glob("[01][0-9]_*.py"):
+    for script in ROOT.glob("[0-9][0-9]_*.py"):
         (work / script.name).symlink_to(script)
     try:
         yield env, work

@@ -76,7 +76,7 @@ def test_every_printed_command_runs_as_printed_from_another_folder(smoke_runs, t
     project, here = tmp_path / "my proj", tmp_path / "run here"
     project.mkdir()
     here.mkdir()
-    for path in [*ROOT.glob("[01][0-9]_*.py"), ROOT / "plot_results.py"]:
+    for path in [*ROOT.glob("[0-9][0-9]_*.py"), ROOT / "plot_results.py"]:
         (project / path.name).symlink_to(path)
     script = project / "01_pytorch-vit.py"
     site = tmp_path / "site"
