@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, kill_group, native_bf16, run_script, script_env
+from conftest import BUG_AT_THE_SECOND_STEP, ROOT, kill_group, native_bf16, run_script, script_env
 
 LESSON = "04_fabric-vit-mixed-precision.py"
 SHORT = ["--smoke", "--max-steps", "2", "--epochs", "1"]
@@ -112,15 +112,7 @@ def _hang():
     open(os.environ["HOOK_HANGING"], "w").close()
     time.sleep(120)
 atexit.register(_hang)
-import torch.nn.functional as F
-_calls, _cross_entropy = [], F.cross_entropy
-def cross_entropy(*args, **kwargs):
-    _calls.append(1)
-    if len(_calls) == 2:
-        raise ValueError("a bug in the lesson")
-    return _cross_entropy(*args, **kwargs)
-F.cross_entropy = cross_entropy
-"""
+""" + BUG_AT_THE_SECOND_STEP
 
 
 @pytest.mark.slow

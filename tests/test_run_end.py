@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, kill_group, run_script, script_env, start_script, wait_for
+from conftest import BUG_AT_THE_SECOND_STEP, ROOT, kill_group, run_script, script_env, start_script, wait_for
 
 # Sends the signal at one moment of the run's last writes, as a terminal's Ctrl-C does (to the
 # process group, so every process of the run gets it), and gives the handler time to run there.
@@ -253,18 +253,6 @@ def test_the_end_of_a_run_of_processes_many_times(tmp_path, script):
         assert proc.returncode == 0 and "terminate called" not in err, (attempt, proc.returncode, err[-3000:])
         assert out.count("Run record appended") == 1 and not list(folder.glob("teardown-*")), out[-2000:]
         assert "AFTER THE RUN" not in out and not (folder / "checkpoints").exists(), out[-2000:]
-
-
-BUG_AT_THE_SECOND_STEP = """
-import torch.nn.functional as F
-_calls, _cross_entropy = [], F.cross_entropy
-def cross_entropy(*args, **kwargs):
-    _calls.append(1)
-    if len(_calls) == 2:
-        raise ValueError("a bug in the lesson")
-    return _cross_entropy(*args, **kwargs)
-F.cross_entropy = cross_entropy
-"""
 
 
 @pytest.mark.slow
