@@ -13,7 +13,7 @@ import typing
 
 import pytest
 
-from conftest import native_bf16, parse_as, read_records, ROOT, run_script, SAID, SCRIPTS, script_env
+from conftest import native_bf16, parse_as, read_records, ROOT, run_script, SAID, SCRIPTS, script_env, warm_starts
 from run_keeping.config import SMOKE_EPOCHS
 from run_keeping.device import precision_that_runs
 from run_keeping.reading import lessons
@@ -545,6 +545,26 @@ def test_the_shared_fixture_fails_on_a_process_killed_by_a_signal():
 # touches (a fresh one reads them all in as it loads; 0.92 against 0.61 GB for 01 here)
 # What a run measures, whole lines: a BUSY line, said where another program used the cores, is one of them
 MEASURED = re.compile(r"^(Time elapsed|Memory used:|Throughput|Checkpoints:|BUSY:) .*\n", re.M)
+
+
+AS_SLURM_STARTS_IT = """
+import os, sys, tempfile
+print("torch" in sys.modules, tempfile.gettempdir(), os.environ["SLURM_PROCID"])
+"""
+
+
+@pytest.mark.slow
+def test_a_task_slurm_starts_is_a_copy_that_reads_its_own_tmpdir(tmp_path):
+    """A `python` in what SLURM sets for a task (its SLURM_* variables, its own TMPDIR): a warm copy (the libraries
+    imported before the script's first line), whose temporary folder is the task's, as a fresh interpreter's is."""
+    (tmp_path / "task.py").write_text(AS_SLURM_STARTS_IT)
+    (tmp_path / "job-tmp").mkdir()
+    assert warm_starts().ready()
+    env = script_env(tmp_path, TMPDIR=str(tmp_path / "job-tmp"), SLURM_PROCID="1", SLURM_JOB_ID="7",
+                     ENVIRONMENT="BATCH", HOSTNAME="node1")
+    proc = subprocess.run(["python", str(tmp_path / "task.py")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", str(tmp_path / "job-tmp"), "1"], proc
 
 
 @pytest.mark.slow

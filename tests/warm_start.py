@@ -61,7 +61,8 @@ SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORL
                   "PYTHON"}  # gpu_check.sh's interpreter, read by the shell script alone
 # What SLURM sets for a job's task (slurmd, srun), read by Lightning as a run starts (SLURMEnvironment), never as a
 # library loads; a copy's temporary folder is read again from its TMPDIR (become)
-SET_BY_SLURM = ("SLURM_", "SLURMD_", "SRUN_", "ENVIRONMENT", "HOSTNAME", "TMPDIR")
+SET_BY_SLURM = {"ENVIRONMENT", "HOSTNAME", "TMPDIR"}
+SLURM_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
 # glibc's malloc tunables (benchmarks/runs.py's EXACT_MALLOC), read as the C library starts: a copy sets them as glibc's
 # start-up does, by mallopt (<malloc.h>: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3), which fixes each threshold as they do
 MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
@@ -75,10 +76,10 @@ def fits(env, server_env, loaded):
     library could read it as it loads (but what the libraries set as they loaded, `loaded`); a PYTHONPATH of its own
     (its hooks) where the server has none."""
     differs = {k for k in env.keys() | server_env.keys() if env.get(k) != server_env.get(k)}
-    may_differ = PER_RUN | SET_AS_IT_RUNS | MALLOPT.keys() | {"PATH"}
+    may_differ = PER_RUN | SET_AS_IT_RUNS | SET_BY_SLURM | MALLOPT.keys() | {"PATH"}
     if not server_env.get("PYTHONPATH"):
         may_differ |= {"PYTHONPATH"}
-    return all(k in may_differ or k.startswith((HOOK_SETTING, *SET_BY_SLURM)) or env.get(k) == loaded.get(k)
+    return all(k in may_differ or k.startswith((HOOK_SETTING, *SLURM_PREFIXES)) or env.get(k) == loaded.get(k)
                for k in differs)
 
 
