@@ -34,7 +34,7 @@ LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
 # The settings that name a run's checkpoint folder and model file where they differ from the script's defaults, so
 # runs of other settings never share them, with their spelling there; a lesson's own flags follow as the flag and
-# its value: --max-norm 0.5 as max-norm0.5.
+# its value: --max-norm 0.5 as max-norm0.5, --scheduler none as scheduler-none.
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 
@@ -349,11 +349,20 @@ def run_name(given, kind, defaults, own):
 
 def name_part(flag, value):
     """A changed setting in a run's name: a switch by the flag that sets it (--no-ema-eval for BooleanOptionalAction's
-    --ema-eval turned off), a value after its flag (a list by commas)."""
+    --ema-eval turned off), a number after its flag (max-norm0.5), a word after a dash (scheduler-none)."""
     if isinstance(value, bool):
         return flag.lstrip("-") if value or flag.startswith("--no-") else "no-" + flag.lstrip("-")
-    text = ",".join(map(str, value)) if isinstance(value, list) else str(value)
-    return flag.lstrip("-") + text.replace("/", "_")  # a path's value names a file, not folders
+    text = spoken(value).replace("/", "_")  # a path's value names a file, not folders
+    return flag.lstrip("-") + ("-" if text[:1].isalpha() else "") + text
+
+
+def spoken(value):
+    """A setting's value as a line or a name says it: a switch "on" or "off", None "unset", a list by commas."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None:
+        return "unset"
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def check_places(given, kind):
@@ -427,7 +436,13 @@ def fewer_gpus_line(given, parser, count, gpus):
 def flags_for(flags, has, group=1, group_flag=None):
     """`flags` for `has` GPUs: as many as the tensor-parallel `group` divides, or all as one group (`group_flag`)."""
     regroup = has < group and group_flag
-    dropped = {"--devices", *([group_flag] if regroup else [])}
+    kept = without(flags, "--devices", *([group_flag] if regroup else []))
+    devices = has - has % group if has >= group else has
+    return [*kept, "--devices", str(devices), *([group_flag, str(has)] if regroup else [])]
+
+
+def without(flags, *dropped):
+    """`flags` less each of `dropped` with its value (`--flag value` or `--flag=value`)."""
     kept = []
     values = iter(flags)
     for flag in values:
@@ -435,8 +450,7 @@ def flags_for(flags, has, group=1, group_flag=None):
             kept.append(flag)
         elif "=" not in flag:
             next(values, None)  # its value
-    devices = has - has % group if has >= group else has
-    return [*kept, "--devices", str(devices), *([group_flag, str(has)] if regroup else [])]
+    return kept
 
 
 def settle_sizes(given, parser, kind, places):
@@ -544,7 +558,8 @@ def made_with(given, latest):
     mine = {"script": given.script, "kind": given.kind or "full", **{key: getattr(given, key) for key in SETTINGS}}
     theirs = {"script": latest.get("script"), "kind": latest.get("kind") or "full", **(latest.get("settings") or {})}
     mine |= given.own
-    return [f"{key} {theirs.get(key)} (now {value})" for key, value in mine.items() if theirs.get(key) != value]
+    changed = [key for key, value in mine.items() if theirs.get(key) != value]
+    return [f"{key} {spoken(theirs.get(key))} (now {spoken(mine[key])})" for key in changed]
 
 
 def nothing_to_resume(given, folder):
@@ -611,10 +626,5 @@ def start_over(given):
 def elsewhere(folder):
     """The command that starts this run in a folder of its own (`folder`-2, or the next free), `folder` left be."""
     number = next(n for n in range(2, 10**6) if not Path(f"{folder}-{n}").exists())
-    flags = []
-    skip = False
-    for flag in started_flags():  # all but an earlier --checkpoint-dir
-        if not skip and not flag.startswith("--checkpoint-dir"):
-            flags.append(flag)
-        skip = flag == "--checkpoint-dir"
+    flags = without(started_flags(), "--checkpoint-dir")  # all but an earlier one
     return f"start this one in a folder of its own: {invoked(*flags, '--checkpoint-dir', f'{folder}-{number}')}"

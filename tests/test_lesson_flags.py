@@ -2,6 +2,7 @@
 reaches the run's name, its record's settings and --resume's check; building the parser changes nothing outside
 it, and a parse puts back what it changed where it refuses; a lesson's relation to what the run derives refuses
 before any work, and before the machine does."""
+import json
 import os
 import signal
 import sys
@@ -10,6 +11,7 @@ import warnings
 import pytest
 
 from conftest import ROOT, parse_as
+from run_keeping.config import LATEST, SETTINGS
 
 # 04 with a flag of each of argparse's ways: a group, a mutually exclusive group (and one inside a group), choices,
 # nargs, store_false, BooleanOptionalAction, dest, a type function of the script's own, and a relation to the run's
@@ -58,16 +60,34 @@ def lesson(tmp_path):
 
 def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(lesson):
     """Each own flag, wherever declared, is in the settings (the record's and --resume's) by its first option
-    string, and a changed one in the run's name (a list by commas, a switch by its flag)."""
+    string, and a changed one in the run's name (a number after its flag, a word after a dash, a list by commas, a
+    switch by its flag)."""
     args = parse_as(lesson, "--smoke", "--label-smoothing", "0.1", "--optimizer", "sgd", "--sizes", "8", "4",
                     "--no-bias", "--warmup-steps", "2", "--ema", "--no-ema-eval")
     assert args.own == {"--label-smoothing": 0.1, "--warmup-steps": 2, "--optimizer": "sgd", "--sgd-momentum": None,
                         "--sizes": [8, 4], "--no-bias": False, "--ema": True, "--swa": False, "--ema-eval": False}
-    name = "my04-smoke-label-smoothing0.1-warmup-steps2-optimizersgd-sizes8,4-no-bias-ema-no-ema-eval"
+    name = "my04-smoke-label-smoothing0.1-warmup-steps2-optimizer-sgd-sizes8,4-no-bias-ema-no-ema-eval"
     assert args.save_model == f"models/{name}.pt" and args.checkpoint_dir == f"checkpoints/{name}"
     defaults = parse_as(lesson, "--smoke")
     assert defaults.save_model == "models/my04-smoke.pt" and defaults.own["--optimizer"] == "adam"
     assert defaults.steps == 2 * (1197 // 16)  # 2 smoke epochs of the 1,197 training digits
+
+
+def test_resume_says_a_lessons_changed_flags_in_words_not_pythons(lesson, tmp_path, capsys):
+    """--resume with a lesson's own flags changed names each in the line's words: a switch on or off, a flag not
+    given unset, a list by commas, never Python's True, None or [8, 4]."""
+    ck = str(tmp_path / "ck")
+    started = parse_as(lesson, "--smoke", "--checkpoint-dir", ck, "--sizes", "8", "4")
+    os.mkdir(ck)
+    settings = {key: getattr(started, key) for key in SETTINGS} | started.own
+    made = {"checkpoint": "epoch-0001.ckpt", "script": started.script, "kind": started.kind, "settings": settings}
+    (tmp_path / "ck" / LATEST).write_text(json.dumps(made | {"flags": ["--smoke"]}))
+    with pytest.raises(SystemExit) as stopped:
+        parse_as(lesson, "--smoke", "--checkpoint-dir", ck, "--resume", "--no-ema-eval", "--sgd-momentum", "0.9")
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+    words = "--sgd-momentum unset (now 0.9), --sizes 8,4 (now 16), --ema-eval on (now off)"
+    assert f"was made with {words}; continue it as started" in err, err
 
 
 @pytest.mark.parametrize("flags, says", [

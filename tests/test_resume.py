@@ -488,7 +488,7 @@ def write_checkpoint(args, **meta):
     (["--batch-size", "8"], "batch_size 16 (now 8)"),
     (["--seed", "7"], "seed 123 (now 7)"),
     (["--epochs", "5"], "epochs 2 (now 5)"),
-    (["--max-steps", "3"], "max_steps None (now 3)"),
+    (["--max-steps", "3"], "max_steps unset (now 3)"),
 ])
 def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, difference):
     """Each setting that shapes a run, changed on --resume: one line naming it and the command
