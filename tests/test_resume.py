@@ -112,7 +112,7 @@ def test_each_kind_of_run_keeps_its_own_files(tmp_path):
     wrong = run_script(script, "--smoke", "--resume", cwd=tmp_path)  # nothing of its kind
     assert wrong.returncode == 2
     assert (f"{ckpt_dir.relative_to(tmp_path)} holds one, made with kind smoke-synthetic (now smoke), max_steps 6 (now "
-            f"None): continue it with python {ROOT / script} {' '.join(mixed)} --resume.") in wrong.stderr, wrong.stderr
+            f"unset): continue it with python {ROOT / script} {' '.join(mixed)} --resume.") in wrong.stderr, wrong.stderr
     right = run_script(script, *mixed, "--resume", cwd=tmp_path)
     assert right.returncode == 0, right.stderr[-3000:]
     records = read_records(tmp_path / "results" / "runs.jsonl")
