@@ -585,8 +585,8 @@ def lock_holder(folder):
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
-    except BlockingIOError:
-        return os.pread(fd, 400, 0).decode(errors="replace").strip()
+    except OSError as err:  # held; or a file system that takes no locks, which FolderLock says
+        return os.pread(fd, 400, 0).decode(errors="replace").strip() if isinstance(err, BlockingIOError) else None
     finally:
         os.close(fd)
 

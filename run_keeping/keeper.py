@@ -37,6 +37,7 @@ BUSY_WAIT = 0.25
 # How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
 LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*(?:timeout|Watchdog)"
+NO_LOCKS = "give --checkpoint-dir a folder on one that does (Lustre mounted with -o flock, NFS with its lock service)"
 # How torch.compile says its compiler is missing; any other compile error is said as itself.
 NO_COMPILER = r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|No such file or directory: "
 NO_COMPILER += r"'(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|(?:g\+\+|gcc|cc|clang): (?:command )?not found"
@@ -615,11 +616,14 @@ class FolderLock:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip()
+            except OSError as err:  # another run holds it; or its file system takes no locks (Lustre, NFS)
+                line = in_progress(folder, os.pread(self.fd, 400, 0).decode(errors="replace").strip())
+                if not isinstance(err, BlockingIOError):  # none can hold it: the file goes with the folders made
+                    self.path.unlink()
+                    line = f"cannot lock {self.path} ({err.strerror}): its file system takes no locks; {NO_LOCKS}"
                 os.close(self.fd)
                 self.release_folders()
-                fail(in_progress(folder, holder))
+                fail(line)
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it
             os.close(self.fd)

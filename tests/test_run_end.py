@@ -70,6 +70,30 @@ def torch_default_threads():
                               timeout=120).stdout)
 
 
+def test_a_file_system_that_takes_no_locks_is_one_line_and_nothing_held(tmp_path, monkeypatch, capsys):
+    """flock refused by the file system (ENOLCK: an NFS mount without its lock service): taking the folder is one
+    line, exit 2, its file closed and the folders it made removed; reading a holder there finds none (no traceback
+    as the flags are read: the lock says why)."""
+    import errno
+    import fcntl
+    from run_keeping.config import lock_holder
+    from run_keeping.keeper import FolderLock
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    open_files = sorted(os.listdir("/proc/self/fd"))
+    with pytest.raises(SystemExit) as stopped:
+        FolderLock(tmp_path / "made" / "ck")
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"cannot lock {tmp_path}/made/ck/.lock (No locks available): its file system takes no locks; give " \
+        "--checkpoint-dir a folder on one that does" in err, err
+    assert sorted(os.listdir("/proc/self/fd")) == open_files and not (tmp_path / "made").exists()
+    (tmp_path / ".lock").write_text("process 1 on a-host, since 2026-01-01 00:00 UTC")
+    assert lock_holder(tmp_path) is None
+
+
 def test_the_lock_holds_exactly_its_holders_line(tmp_path):
     """A killed run's longer line is not left at the end of the next holder's."""
     from run_keeping.keeper import FolderLock
