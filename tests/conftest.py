@@ -175,13 +175,15 @@ def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):
 
 
 def start_two_nodes(script, *flags, cwd):
-    """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1."""
+    """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1; torchrun starts each worker
+    with the `python` the tests give every program (PYTHON_EXEC, torchrun's own setting), a forked copy where it can."""
     port = free_port()
+    env = script_env(Path(cwd), PYTHON_EXEC=str(ROOT / "tests" / "warm_python" / "python"))
     return [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
          str(node_rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
          str(port), str(ROOT / script), "--devices", "1", "--num-nodes", "2", *flags],
-        cwd=cwd, env=script_env(Path(cwd)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         text=True, start_new_session=True) for node_rank in (0, 1)]
 
 

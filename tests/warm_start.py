@@ -14,7 +14,7 @@ copy becomes the script's process as `python SCRIPT FLAGS` would make it:
 
 What a fork cannot make fresh is what the libraries read as they load: the environment then.
 A script whose environment differs from the server's in anything but what `fits` lets differ (a test's own torch hub
-cache, its hooks' HOOK_* settings, what a launcher or SLURM sets for a process, glibc's malloc tunables, which a copy
+cache, the hosts it reaches without a proxy, its hooks' HOOK_* settings, what a launcher or SLURM sets for a process, glibc's malloc tunables, which a copy
 sets by mallopt) starts a fresh interpreter instead, as does one
 a test asks to be fresh (Ctrl-C while the libraries load; conftest.YARDSTICK), and every script
 where the server did not start. test_scripts.py checks that a forked run and a fresh one print,
@@ -49,20 +49,24 @@ PRELOAD = ("torch", "torchvision", "lightning", "torchmetrics", "watermark")
 # What may differ from the server's environment: read when a run uses it, never as a library
 # loads: a test's own torch hub cache, and the settings of the tests' hooks (sitecustomize.py),
 # which are named HOOK_* wherever a test sets one, so that no list here must follow them
-PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST"}
+PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST", "no_proxy", "NO_PROXY"}  # urllib reads the proxies as it opens a URL
 # PATH too: the libraries read it as they load only to look for programs no run here uses (torchmetrics: latex); a
 # compiler, Lightning's srun, are looked for as a run goes
 HOOK_SETTING = "HOOK_"
 # What a running program adds to the environment of the processes it starts, read as a run starts, never as a library
 # loads (but Lightning's rank, which `become` reads again): Lightning's launcher's address, ranks and the run's
-# precision, torch.compile's cache folder, what a shell sets (PWD, OLDPWD, SHLVL, _), and gpu_check.sh's PYTHON
+# precision, torchrun's ranks, sizes, interpreter (PYTHON_EXEC) and TORCHELASTIC_* settings, torch.compile's cache
+# folder, what a shell sets (PWD, OLDPWD, SHLVL, _), and gpu_check.sh's PYTHON
 SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
+                  "RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE",
+                  "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHON_EXEC",
                   "LT_PRECISION", "TORCHINDUCTOR_CACHE_DIR", "PWD", "OLDPWD", "SHLVL", "_",
                   "PYTHON"}  # gpu_check.sh's interpreter, read by the shell script alone
 # What SLURM sets for a job's task (slurmd, srun), read by Lightning as a run starts (SLURMEnvironment), never as a
 # library loads; a copy's temporary folder is read again from its TMPDIR (become)
 SET_BY_SLURM = {"ENVIRONMENT", "HOSTNAME", "TMPDIR"}
 SLURM_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_")
+TORCHRUN_PREFIX = "TORCHELASTIC_"
 # glibc's malloc tunables (benchmarks/runs.py's EXACT_MALLOC), read as the C library starts: a copy sets them as glibc's
 # start-up does, by mallopt (<malloc.h>: M_TRIM_THRESHOLD -1, M_MMAP_THRESHOLD -3), which fixes each threshold as they do
 MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_MMAP_THRESHOLD_": -3}
@@ -79,7 +83,8 @@ def fits(env, server_env, loaded):
     may_differ = PER_RUN | SET_AS_IT_RUNS | SET_BY_SLURM | MALLOPT.keys() | {"PATH"}
     if not server_env.get("PYTHONPATH"):
         may_differ |= {"PYTHONPATH"}
-    return all(k in may_differ or k.startswith((HOOK_SETTING, *SLURM_PREFIXES)) or env.get(k) == loaded.get(k)
+    prefixes = (HOOK_SETTING, TORCHRUN_PREFIX, *SLURM_PREFIXES)
+    return all(k in may_differ or k.startswith(prefixes) or env.get(k) == loaded.get(k)
                for k in differs)
 
 
@@ -312,6 +317,8 @@ def as_python(args):
     copy ends (its exit code, or its signal); killed, the server kills the copy."""
     listed = [int(fd) for fd in os.listdir("/proc/self/fd")]  # the listing's own descriptor is closed by now
     handed = [fd for fd in listed if fd > 2 and is_open(fd)]
+    unbuffered = args[1:] if args[:1] == ["-u"] and os.environ.get("PYTHONUNBUFFERED") else None
+    args = unbuffered or args  # torchrun's `python -u SCRIPT`: a copy's streams are unbuffered as its server's are
     script = bool(args) and args[0].endswith(".py")
     module = len(args) > 1 and args[0] == "-m"
     if (script or module) and not handed and os.environ.get(ADDRESS):
@@ -326,7 +333,7 @@ def as_python(args):
             reply = "no"
         if reply.isdigit():
             stand_in_for(int(reply), replies)
-    os.execv(sys.executable, [sys.executable, *args])
+    os.execv(sys.executable, [sys.executable, *(["-u"] if unbuffered else []), *args])
 
 
 def is_open(fd):
