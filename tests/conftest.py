@@ -175,16 +175,22 @@ def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):
 
 
 def start_two_nodes(script, *flags, cwd):
-    """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1; torchrun starts each worker
-    with the `python` the tests give every program (PYTHON_EXEC, torchrun's own setting), a forked copy where it can."""
+    """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1: each torchrun a forked copy
+    where it can be (warm_start.py), which starts its worker with the `python` the tests give every program (by
+    PYTHON_EXEC, torchrun's own setting), a copy too. Killing a node's group (kill_group) kills its worker's copy."""
     port = free_port()
     env = script_env(Path(cwd), PYTHON_EXEC=str(ROOT / "tests" / "warm_python" / "python"))
-    return [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-         str(node_rank), "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port",
-         str(port), str(ROOT / script), "--devices", "1", "--num-nodes", "2", *flags],
-        cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True) for node_rank in (0, 1)]
+    nodes = []
+    for node_rank in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+               str(ROOT / script), "--devices", "1", "--num-nodes", "2", *flags]
+        if warm_starts().fits(env):  # torchrun's agent forked too
+            nodes.append(warm_starts().start(cmd, cwd, env, merged=True))
+        else:
+            nodes.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True, start_new_session=True))
+    return nodes
 
 
 def start(script, *flags, cwd, fresh=False):
