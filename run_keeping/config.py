@@ -7,6 +7,7 @@ docs/run-keeping.md"""
 
 import argparse
 import ast
+import errno
 import fcntl
 import json
 import os
@@ -30,6 +31,7 @@ MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a run stopped by Ctrl-C, SIGTERM
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock on a file system that takes none (Lustre, NFS)
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
 # The settings that name a run's checkpoint folder and model file where they differ from the script's defaults, so
@@ -585,7 +587,7 @@ def lock_holder(folder):
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return None
-    except OSError as err:  # held; or a file system that takes no locks, which FolderLock says
+    except OSError as err:  # held; or a file system that takes no locks, where none can hold it
         return os.pread(fd, 400, 0).decode(errors="replace").strip() if isinstance(err, BlockingIOError) else None
     finally:
         os.close(fd)

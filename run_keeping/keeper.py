@@ -23,7 +23,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from run_keeping.config import EXIT_ON_SIGNAL, LATEST, SETTINGS, SLURM_INTERACTIVE_JOBS, VITS, WARMUP_STEPS
+from run_keeping.config import EXIT_ON_SIGNAL, LATEST, NO_LOCKS, SETTINGS, SLURM_INTERACTIVE_JOBS, VITS, WARMUP_STEPS
 from run_keeping.config import fail, in_progress, invoked, read_json, resume_command, start_over, started_flags
 from run_keeping.device import device_name, fallback_line
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
@@ -37,7 +37,6 @@ BUSY_WAIT = 0.25
 # How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
 LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*(?:timeout|Watchdog)"
-NO_LOCKS = "give --checkpoint-dir a folder on one that does (Lustre mounted with -o flock, NFS with its lock service)"
 # How torch.compile says its compiler is missing; any other compile error is said as itself.
 NO_COMPILER = r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|No such file or directory: "
 NO_COMPILER += r"'(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|(?:g\+\+|gcc|cc|clang): (?:command )?not found"
@@ -262,6 +261,9 @@ class RunKeeper:
                 ours = [self.folder, self.folder.parent] if self.args.checkpoint_dir_is_default else []
                 lock = FolderLock(self.folder, ours)
                 self.undo.callback(lock.release)
+            if lock.unguarded:
+                not_refused = "a second run started in it is not refused: give each run its own --checkpoint-dir"
+                self.say(f"{self.folder} is on a file system that takes no locks ({lock.unguarded}): {not_refused}.")
             for leftover in self.folder.glob("*.tmp"):  # a write cut off
                 remove(leftover)
 
@@ -609,6 +611,7 @@ class FolderLock:
 
     def __init__(self, folder, ours=()):
         self.path = Path(folder) / ".lock"
+        self.unguarded = None  # why the file system took no lock (a second run is then not refused), or None
         made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]  # deepest first
         self.made = list(dict.fromkeys([*made, *ours]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -616,14 +619,16 @@ class FolderLock:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as err:  # another run holds it; or its file system takes no locks (Lustre, NFS)
-                line = in_progress(folder, os.pread(self.fd, 400, 0).decode(errors="replace").strip())
-                if not isinstance(err, BlockingIOError):  # none can hold it: the file goes with the folders made
-                    self.path.unlink()
-                    line = f"cannot lock {self.path} ({err.strerror}): its file system takes no locks; {NO_LOCKS}"
+            except OSError as err:
+                if err.errno in NO_LOCKS:  # its file system takes none: the run goes on unguarded (start says so)
+                    self.unguarded = err.strerror
+                    break
+                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip()
                 os.close(self.fd)
                 self.release_folders()
-                fail(line)
+                if isinstance(err, BlockingIOError):  # another run holds it
+                    fail(in_progress(folder, holder))
+                raise
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it
             os.close(self.fd)

@@ -11,7 +11,7 @@ import re
 from datetime import datetime, timezone
 from pathlib import Path
 
-from run_keeping.config import fail
+from run_keeping.config import NO_LOCKS, fail
 from run_keeping.device import device_name
 
 VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest;
@@ -46,7 +46,7 @@ def append_record(path, record, then=""):
         fail(f"cannot write the run record to {path}: {err.strerror}.{then}", code=1)
     size = None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in other processes wait here
+        lock_or_go_on(fd)  # appenders in other processes wait here
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
@@ -58,6 +58,16 @@ def append_record(path, record, then=""):
         fail(f"cannot write the run record to {path}: {err.strerror}; the earlier records are as they were.{then}", 1)
     finally:
         os.close(fd)  # and with it the lock
+
+
+def lock_or_go_on(fd):
+    """An flock on `fd`, waited for; none where the file system takes no locks (NO_LOCKS), where the record's one
+    write appends it whole all the same, unless another machine appends at the same moment."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno not in NO_LOCKS:
+            raise
 
 
 def write_whole(path, data):

@@ -70,28 +70,42 @@ def torch_default_threads():
                               timeout=120).stdout)
 
 
-def test_a_file_system_that_takes_no_locks_is_one_line_and_nothing_held(tmp_path, monkeypatch, capsys):
-    """flock refused by the file system (ENOLCK: an NFS mount without its lock service): taking the folder is one
-    line, exit 2, its file closed and the folders it made removed; reading a holder there finds none (no traceback
-    as the flags are read: the lock says why)."""
+@pytest.mark.parametrize("errno_name", ["ENOLCK", "ENOSYS"])
+def test_a_file_system_that_takes_no_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, capsys, errno_name):
+    """flock refused by the file system (ENOLCK: NFS without its lock service; ENOSYS: Lustre without -o flock): the
+    run goes on and says in one line that a second run in its folder is not refused; its record is appended all
+    the same; reading a holder there finds none; handed back, nothing is left (the folders it made, its file). Any
+    other error of flock is raised, its file closed."""
     import errno
     import fcntl
+    from conftest import parse_as
     from run_keeping.config import lock_holder
-    from run_keeping.keeper import FolderLock
+    from run_keeping.keeper import FolderLock, RunKeeper
+    from run_keeping.record import append_record
 
     def no_locks(fd, operation):
-        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+        raise OSError(getattr(errno, errno_name), os.strerror(getattr(errno, errno_name)))
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(fcntl, "flock", no_locks)
     open_files = sorted(os.listdir("/proc/self/fd"))
-    with pytest.raises(SystemExit) as stopped:
-        FolderLock(tmp_path / "made" / "ck")
-    err = capsys.readouterr().err.strip()
-    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
-    assert f"cannot lock {tmp_path}/made/ck/.lock (No locks available): its file system takes no locks; give " \
-        "--checkpoint-dir a folder on one that does" in err, err
-    assert sorted(os.listdir("/proc/self/fd")) == open_files and not (tmp_path / "made").exists()
-    (tmp_path / ".lock").write_text("process 1 on a-host, since 2026-01-01 00:00 UTC")
-    assert lock_holder(tmp_path) is None
+    with RunKeeper(parse_as("01_pytorch-vit.py", "--smoke", "--checkpoint-dir", "made/ck")) as keeper:
+        keeper.start()
+        assert (tmp_path / "made" / "ck" / ".lock").read_text().startswith(f"process {os.getpid()} on ")
+        assert lock_holder(tmp_path / "made" / "ck") is None
+        append_record(tmp_path / "runs.jsonl", {"a": 1})
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "no locks" in line]
+    assert said == [f"made/ck is on a file system that takes no locks ({os.strerror(getattr(errno, errno_name))}): "
+                    "a second run started in it is not refused: give each run its own --checkpoint-dir."], out
+    assert (tmp_path / "runs.jsonl").read_text() == '{"a": 1}\n'
+    assert not (tmp_path / "made").exists() and sorted(os.listdir("/proc/self/fd")) == open_files
+
+    def broken(fd, operation):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(fcntl, "flock", broken)
+    with pytest.raises(OSError, match="Input/output error"):
+        FolderLock(tmp_path / "other" / "ck")
+    assert sorted(os.listdir("/proc/self/fd")) == open_files
 
 
 def test_the_lock_holds_exactly_its_holders_line(tmp_path):
