@@ -358,10 +358,12 @@ def name_part(flag, value):
     return flag.lstrip("-") + ("-" if text[:1].isalpha() else "") + text
 
 
-def spoken(value):
-    """A setting's value as a line or a name says it: a switch "on" or "off", None "unset", a list by commas."""
+def spoken(value, flag=""):
+    """A setting's value as a line or a name says it: a switch "on" or "off" (--no-bias on: given, its value False),
+    None "unset", a list by commas."""
     if isinstance(value, bool):
-        return "on" if value else "off"
+        given = not value if flag.startswith("--no-") else value
+        return "on" if given else "off"
     if value is None:
         return "unset"
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
@@ -561,7 +563,7 @@ def made_with(given, latest):
     theirs = {"script": latest.get("script"), "kind": latest.get("kind") or "full", **(latest.get("settings") or {})}
     mine |= given.own
     changed = [key for key, value in mine.items() if theirs.get(key) != value]
-    return [f"{key} {spoken(theirs.get(key))} (now {spoken(mine[key])})" for key in changed]
+    return [f"{key} {spoken(theirs.get(key), key)} (now {spoken(mine[key], key)})" for key in changed]
 
 
 def nothing_to_resume(given, folder):

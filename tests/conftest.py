@@ -177,7 +177,8 @@ def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):
 def start_two_nodes(script, *flags, cwd):
     """`script` as two torchrun 'nodes' of one CPU process each, rendezvous on 127.0.0.1: each torchrun a forked copy
     where it can be (warm_start.py), which starts its worker with the `python` the tests give every program (by
-    PYTHON_EXEC, torchrun's own setting), a copy too. Killing a node's group (kill_group) kills its worker's copy."""
+    PYTHON_EXEC, torchrun's own setting), a copy too. kill_group's signal to a node's torchrun and what it started
+    reaches the worker's stand-in, whose death the server answers by killing the worker's copy."""
     port = free_port()
     env = script_env(Path(cwd), PYTHON_EXEC=str(ROOT / "tests" / "warm_python" / "python"))
     nodes = []

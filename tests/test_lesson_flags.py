@@ -74,10 +74,10 @@ def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(less
 
 
 def test_resume_says_a_lessons_changed_flags_in_words_not_pythons(lesson, tmp_path, capsys):
-    """--resume with a lesson's own flags changed names each in the line's words: a switch on or off, a flag not
-    given unset, a list by commas, never Python's True, None or [8, 4]."""
+    """--resume with a lesson's own flags changed names each in the line's words: a switch on or off (--no-bias on
+    where it was given), a flag whose default is None unset, a list by commas, never Python's True, None or [8, 4]."""
     ck = str(tmp_path / "ck")
-    started = parse_as(lesson, "--smoke", "--checkpoint-dir", ck, "--sizes", "8", "4")
+    started = parse_as(lesson, "--smoke", "--checkpoint-dir", ck, "--sizes", "8", "4", "--no-bias")
     os.mkdir(ck)
     settings = {key: getattr(started, key) for key in SETTINGS} | started.own
     made = {"checkpoint": "epoch-0001.ckpt", "script": started.script, "kind": started.kind, "settings": settings}
@@ -86,7 +86,7 @@ def test_resume_says_a_lessons_changed_flags_in_words_not_pythons(lesson, tmp_pa
         parse_as(lesson, "--smoke", "--checkpoint-dir", ck, "--resume", "--no-ema-eval", "--sgd-momentum", "0.9")
     err = capsys.readouterr().err.strip()
     assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
-    words = "--sgd-momentum unset (now 0.9), --sizes 8,4 (now 16), --ema-eval on (now off)"
+    words = "--sgd-momentum unset (now 0.9), --sizes 8,4 (now 16), --no-bias on (now off), --ema-eval on (now off)"
     assert f"was made with {words}; continue it as started" in err, err
 
 

@@ -571,24 +571,28 @@ def test_a_task_slurm_starts_is_a_copy_that_reads_its_own_tmpdir(tmp_path):
 
 AS_TORCHRUN_STARTS_IT = """
 import os, sys
-print("torch" in sys.modules, sys.stdout.write_through, os.environ["RANK"])
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from torchmetrics.utilities import prints
+print("torch" in sys.modules, sys.stdout.write_through, os.environ["RANK"], rank_zero_only.rank,
+      prints.rank_zero_only.rank)
 """
 
 
 @pytest.mark.slow
 def test_a_worker_torchrun_starts_is_a_copy(tmp_path):
     """`python -u SCRIPT` (torchrun's command for a worker, with the tests' `python` as its PYTHON_EXEC) in what
-    torchrun sets for a worker (its ranks, sizes and TORCHELASTIC_* settings): a warm copy, unbuffered as -u asks."""
+    torchrun sets for a worker (its ranks, sizes and TORCHELASTIC_* settings): a warm copy, unbuffered as -u asks,
+    whose rank Lightning and torchmetrics (which read it as they load) read again."""
     (tmp_path / "worker.py").write_text(AS_TORCHRUN_STARTS_IT)
     assert warm_starts().ready()
     python = str(ROOT / "tests" / "warm_python" / "python")
-    ranks = dict(RANK="1", GROUP_RANK="1", ROLE_RANK="1", ROLE_NAME="default", LOCAL_WORLD_SIZE="1", WORLD_SIZE="2",
-                 GROUP_WORLD_SIZE="2", ROLE_WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    ranks = dict(RANK="1", GROUP_RANK="0", ROLE_RANK="1", ROLE_NAME="default", LOCAL_WORLD_SIZE="2", WORLD_SIZE="2",
+                 GROUP_WORLD_SIZE="1", ROLE_WORLD_SIZE="2", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
     env = script_env(tmp_path, PYTHON_EXEC=python, TORCHELASTIC_RUN_ID="none", TORCHELASTIC_RESTART_COUNT="0",
                      TORCH_NCCL_ASYNC_ERROR_HANDLING="1", **ranks)
     proc = subprocess.run([python, "-u", str(tmp_path / "worker.py")], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True", "1"], proc
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True", "1", "1", "1"], proc
 
 
 @pytest.mark.slow

@@ -49,12 +49,12 @@ PRELOAD = ("torch", "torchvision", "lightning", "torchmetrics", "watermark")
 # What may differ from the server's environment: read when a run uses it, never as a library
 # loads: a test's own torch hub cache, and the settings of the tests' hooks (sitecustomize.py),
 # which are named HOOK_* wherever a test sets one, so that no list here must follow them
-PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST", "no_proxy", "NO_PROXY"}  # urllib reads the proxies as it opens a URL
+PER_RUN = {"TORCH_HOME", "PYTEST_CURRENT_TEST", "no_proxy", "NO_PROXY"}  # urllib reads no_proxy as it opens a URL
 # PATH too: the libraries read it as they load only to look for programs no run here uses (torchmetrics: latex); a
 # compiler, Lightning's srun, are looked for as a run goes
 HOOK_SETTING = "HOOK_"
 # What a running program adds to the environment of the processes it starts, read as a run starts, never as a library
-# loads (but Lightning's rank, which `become` reads again): Lightning's launcher's address, ranks and the run's
+# loads (but Lightning's and torchmetrics' rank, which `become` reads again): Lightning's launcher's address, ranks and the run's
 # precision, torchrun's ranks, sizes, interpreter (PYTHON_EXEC) and TORCHELASTIC_* settings, torch.compile's cache
 # folder, what a shell sets (PWD, OLDPWD, SHLVL, _), and gpu_check.sh's PYTHON
 SET_AS_IT_RUNS = {"MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "PL_GLOBAL_SEED",
@@ -172,8 +172,11 @@ def become(request, fds, loaded):
         if name in os.environ:
             ctypes.CDLL(None).mallopt(parameter, int(os.environ[name]))
     from lightning.fabric.utilities.rank_zero import _get_rank, rank_zero_only
-    # what Lightning read as it loaded (a launcher's LOCAL_RANK), read again, as lightning/fabric/utilities/rank_zero.py
+    from torchmetrics.utilities import prints
+    # what Lightning and torchmetrics read as they loaded (a launcher's rank), read again, as they read it
+    # (lightning/fabric/utilities/rank_zero.py, torchmetrics/utilities/prints.py)
     rank_zero_only.rank = _get_rank() or 0  # ty: ignore[missing-attribute]: set as Lightning sets it
+    prints.rank_zero_only.rank = int(os.environ.get("LOCAL_RANK", 0))  # ty: ignore[missing-attribute]: likewise
     signal.signal(signal.SIGINT, signal.default_int_handler)
     sys.executable = PYTHON
     sys.argv = request["argv"]
