@@ -36,7 +36,8 @@ os.environ["HOOK_GPU_MACHINE"] = "0"
 WARM_FOLDER = Path(tempfile.gettempdir()) / f"warm-start-{os.getpid()}"
 os.environ["PATH"] = f"{ROOT / 'tests' / 'warm_python'}{os.pathsep}{os.environ['PATH']}"
 os.environ["HOOK_WARM_START"] = str(WARM_FOLDER / "warm-start.sock")
-os.environ["HOOK_PYTHON"] = sys.executable
+if Path(sys.executable).parent.name != "warm_python":  # not where pytest itself is a copy: its `python` is the shim
+    os.environ["HOOK_PYTHON"] = sys.executable  # the interpreter the shim runs where no copy can be made
 # Whether the host has NVIDIA GPUs of its own (its driver lists each here), which torch in the scripts sees
 GPU_HOST = any(Path("/proc/driver/nvidia/gpus").glob("*"))
 on_a_gpu_host = pytest.mark.skipif(GPU_HOST, reason="torch sees this host's GPU: no machine whose torch sees none")
@@ -164,10 +165,11 @@ def run_script(script, *flags, cwd, timeout=240, env=None, fresh=False):
 
 
 def start_script(script, *flags, cwd, env=None, fresh=False, merged=True):
-    """Start a script in its own session (so a test can kill it and all it started), its output
-    and errors in one stream unless not `merged`: a fresh interpreter where the environment asks
-    for one, or `fresh`; else forked from one that has imported the libraries (warm_start.py)."""
-    cmd, env = [sys.executable, str(ROOT / script), *flags], env or script_env(Path(cwd))
+    """Start a script (`-m` and its flags: a module, as `python -m`) in its own session (so a test can kill it and all
+    it started), its output and errors in one stream unless not `merged`: a fresh interpreter where the environment
+    asks for one, or `fresh`; else forked from one that has imported the libraries (warm_start.py)."""
+    target = script if script == "-m" else str(ROOT / script)
+    cmd, env = [sys.executable, target, *flags], env or script_env(Path(cwd))
     if fresh or not warm_starts().fits(env):
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, text=True,
                                 stderr=subprocess.STDOUT if merged else subprocess.PIPE, start_new_session=True)

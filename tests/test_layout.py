@@ -298,18 +298,17 @@ def test_a_new_lesson_is_its_script_and_one_row(tmp_path):
     with open(copy / "lessons.csv", "a") as f:
         f.write(NEW_ROW)
 
-    def run(*command):  # `python ...` in the contributor's copy: its scripts forked as the suite's are (run_script)
-        if command[0] == "-m":
-            return subprocess.run([sys.executable, *command], cwd=copy, capture_output=True, text=True, timeout=600)
-        return run_script(str(copy / command[0]), *command[1:], cwd=copy, timeout=600)
+    def run(*command):  # `python ...` in the contributor's copy: forked as the suite's scripts are (run_script)
+        script = command[0] if command[0] == "-m" else str(copy / command[0])
+        return run_script(script, *command[1:], cwd=copy, timeout=300)
     assert run("tools/figures.py").returncode == 0
     # the quick tier's checks of the new lesson and of the whole registry (the other lessons' own are the suite's)
     registry = ["tests/test_layout.py", "tests/test_docs.py", "tests/test_plot.py", "tests/test_benchmark.py",
                 "tests/test_memory.py", "tests/test_gpu_rehearsal.py", "tests/test_scripts.py", "tests/test_copies.py",
                 "tests/test_flags.py", "tests/test_cuda_paths.py", "tests/test_precision.py",
                 "tests/test_one_owner.py"]  # the files that read it
-    quick = run("-m", "pytest", "-q", "-m", "not slow", "-k", f"{NUMBER}_fabric or not (_fabric-vit or _pytorch-vit)",
-                *registry)
+    quick = run("-m", "pytest", "-q", "-n", "0", "-m", "not slow", "-k",
+                f"{NUMBER}_fabric or not (_fabric-vit or _pytorch-vit)", *registry)
     assert quick.returncode == 0 and " passed" in quick.stdout, quick.stdout[-3000:]
     helped = " ".join(run(NEW_LESSON, "--help").stdout.split())
     assert f"[{NUMBER}] new: its switch." in helped and "--channels-last the images and weights in channels-last" in helped
