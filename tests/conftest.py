@@ -375,11 +375,13 @@ def write_fake_cifar10(root, per_batch=20, num_test=20, seed=0, random_pixels=Fa
     return batches
 
 
-def shared_folder(tmp_path_factory):
+def shared_folder(tmp_path_factory, config):
     """A folder every worker of this test run sees: pytest-xdist gives each worker a base
-    folder of its own, side by side in the run's; without xdist, the session's own."""
+    folder of its own, side by side in the run's; without xdist, the session's own. (Whether this
+    process is an xdist worker is its config's, not the environment's: a pytest that a test starts
+    inherits a worker's PYTEST_XDIST_WORKER.)"""
     base = tmp_path_factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return base.parent if hasattr(config, "workerinput") else base
 
 
 @contextlib.contextmanager
@@ -394,11 +396,11 @@ def locked(path):
 
 
 @pytest.fixture(scope="session")
-def once_per_run(tmp_path_factory):
+def once_per_run(tmp_path_factory, pytestconfig):
     """once_per_run(name, make): make(folder)'s result (a dict), made once per test run however
     many tests and workers ask for it: the first makes it in `folder`, the others wait for it and
     read it. If make fails, every test that asks fails with its message, and it is not made twice."""
-    shared = shared_folder(tmp_path_factory) / "once-per-run"
+    shared = shared_folder(tmp_path_factory, pytestconfig) / "once-per-run"
     shared.mkdir(exist_ok=True)
 
     def get(name, make):

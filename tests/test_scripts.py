@@ -697,6 +697,15 @@ def test_the_shared_fixture_fails_on_a_hang_with_the_output():
     assert hung.poll() is not None  # killed, not left running
 
 
+def test_a_pytest_a_test_starts_shares_no_folder_with_other_runs(tmp_path_factory, monkeypatch):
+    """Whether a pytest process is an xdist worker (whose shared runs sit beside the other workers') is its config's:
+    a pytest that a test starts with -n 0 inherits the worker's PYTEST_XDIST_WORKER, and read from the environment
+    it would keep its shared runs where every later test run on the machine finds them."""
+    from conftest import shared_folder
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert shared_folder(tmp_path_factory, types.SimpleNamespace()) == tmp_path_factory.getbasetemp()
+
+
 def test_a_shared_run_is_made_once_and_its_failure_kept(once_per_run, tmp_path):
     """conftest.once_per_run: a result is made once and read back; a make that fails fails every
     test that asks, with its message, and is not made again."""
