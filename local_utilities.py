@@ -132,16 +132,18 @@ def build_vit(weights, args):
 
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
     weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
+    init = "random init"
     if args.smoke:
-        model, init = smoke_vit(), "random init"
+        model = smoke_vit()
         if weights is not None:
             model.load_state_dict(torch.load(SMOKE_WEIGHTS, map_location="cpu", weights_only=True))
             init = f"pretrained on printed digits, {SMOKE_WEIGHTS.parent.name}/{SMOKE_WEIGHTS.name}"
     elif weights is None:
-        model, init = vits.get_model(vit, weights=None), "random init"
+        model = vits.get_model(vit, weights=None)
     else:
         try:  # from torch's hub cache, or downloaded
-            model, init = vits.get_model(vit, weights=weights), f"ImageNet-pretrained, {weights}"
+            model = vits.get_model(vit, weights=weights)
+            init = f"ImageNet-pretrained, {weights}"
         except (OSError, RuntimeError) as err:
             cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
             fetch = f"On a machine with internet, download {weights.url} and place it at {cache}"

@@ -69,7 +69,6 @@ class RunKeeper:
         self.optimizer: Any = None
         self.kept_too: list = []
         self.batches_per_epoch = 0
-        self.init = "random init"  # what the model starts from (local_utilities.build_vit notes it)
         # the last checkpoint kept, the epochs it holds, and the epoch the loop starts at
         self.last: Path | None = None
         self.kept = 0
@@ -80,32 +79,35 @@ class RunKeeper:
         self.lr: list[float] = []
         self.peak_gb = 0.0
         self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # before a --resume
-        # this session's timing (started: when training began, 0 before), and the epoch in progress (batch_done)
+        # this session's timing (started: when training began, 0 before)
         self.started = 0.0
         self.cpu_at_start = (0.0, 0.0)
         self.checkpoint_s: list[float] = []
         self.timed_images = 0
         self.timed_seconds = 0.0
         self.steps_this_session = 0
-        self.epoch_timer: float | None = None
-        self.epoch_images = 0
+        self.new_epoch()
+
+    def new_epoch(self):
+        """The epoch in progress, empty: batch_done fills it (its loss sum and first bad batch on the device)."""
         self.batch_in_epoch = 0
         self.epoch_loss: torch.Tensor | None = None
-        self.first_bad = torch.tensor(-1.0)  # the epoch's first batch whose loss is not finite, or -1
+        self.first_bad = torch.tensor(-1.0)
         self.epoch_lr = 0.0
+        self.epoch_timer: float | None = None
+        self.epoch_images = 0
 
     def __enter__(self):
-        self.noting = True  # a signal while the run's changes are made is acted on once they all are
         try:
-            self.set_up()
+            with self.signals_noted():  # a signal while the run's changes are made is raised once they all are
+                self.set_up()
+            return self
+        except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, 130 or 143, all undone
+            self.__exit__(KeyboardInterrupt, stop, None)
+            raise
         except BaseException:
             self.undo.close()
             raise
-        self.noting = False
-        if self.noted:  # as if it came at the block's first line: one line, 130 or 143, every change undone
-            self.signum, self.noted = self.noted, None
-            self.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
-        return self
 
     def set_up(self):
         """Each change the run makes to this process, beside its undoing (self.undo undoes them in reverse order)."""
@@ -159,34 +161,33 @@ class RunKeeper:
             line, code = self.ending(error)
             if code == 0 and distributed:  # every process finished: the collectives in flight end
                 line, code = self.meet_at_the_end()
-            if code == 0 and self.noted:  # a signal as the finished run wrote its files, or since
-                line, code = self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
             self.say_the_end(line, error)
             if code == 0 and distributed:
                 torch.distributed.destroy_process_group()  # as torchtitan: only where every process met at the end
         finally:
             self.undo.close()  # the folder let go of, then the process as found, Python's handlers last
-        if code == 0 and self.noted:  # a signal as the run handed back: its line and code all the same
+        if code == 0 and self.noted:  # a signal as the finished run wrote its files, or since: its line and code
             line, code = self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
             self.say_the_end(line, error)
         unexplained = line is None and not isinstance(error, (SystemExit, KeyboardInterrupt, type(None)))
         if gloo:
-            end_this_process(code, error if unexplained or not isinstance(code, int) else None)
-        if unexplained or not isinstance(code, int):
-            return False  # Python's own: the traceback, or SystemExit's message, exit 1
-        if code:
+            end_this_process(code, error if unexplained else None)
+        if code and not unexplained:
             raise SystemExit(code) from None
-        return False
+        return False  # finished, or Python's traceback and exit 1
 
     def ending(self, error):
         """(the line, the exit code) of how the block was left: finished (None, 0); interrupted; a known error; a
-        SystemExit, whose line was said (None, its code: sys.exit() is 0); an error only its traceback explains."""
+        SystemExit, whose line was said (None, its code: sys.exit() is 0), or sys.exit("why"), said as Python would
+        (why, 1); an error only its traceback explains (None, 1)."""
         if error is None:
             return None, 0
         if isinstance(error, KeyboardInterrupt):
             return self.interrupted_line(self.signum), EXIT_ON_SIGNAL[self.signum]
         if isinstance(error, SystemExit):
-            return None, 0 if error.code is None else error.code
+            if error.code is None or isinstance(error.code, int):
+                return None, error.code or 0
+            return str(error.code), 1
         return explain(error, self.args, self.rank, self.world_size, self.last) or (None, 1)
 
     def say_the_end(self, line, error):
@@ -276,7 +277,7 @@ class RunKeeper:
         self.model = model
         self.optimizer = optimizer
         self.batches_per_epoch = len(train_loader)
-        self.init = getattr(model, "init", "random init")  # build_vit notes it; Fabric's wrapper passes it through
+        self.init = getattr(model, "init", "random init")  # what it starts from: build_vit notes it
         if self.args.kind:
             self.say(kind_line(self.args, self.init))
         if self.world_size > 1:
@@ -299,12 +300,12 @@ class RunKeeper:
             self.epoch_loss = torch.zeros_like(loss)
             self.first_bad = torch.full_like(loss, -1)
             self.epoch_lr = self.optimizer.param_groups[0]["lr"]  # the rate the epoch starts at
-        self.epoch_loss = self.epoch_loss + loss
-        good = torch.isfinite(self.epoch_loss) | (self.first_bad >= 0)
-        self.first_bad = torch.where(good, self.first_bad, self.batch_in_epoch)
+        self.epoch_loss = self.epoch_loss + loss  # once not finite, it stays so
+        first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
+        self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
+        if self.batch_in_epoch % PRINT_EVERY == 0:
+            self.check_loss()  # and the epoch's end checks it too
         self.batch_in_epoch += 1
-        if self.batch_in_epoch % PRINT_EVERY == 1:
-            self.check_loss()  # a sum that was not finite stays so, and the epoch's end checks it too
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
@@ -350,9 +351,7 @@ class RunKeeper:
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
-        self.epoch_loss = None
-        self.epoch_timer = None
-        self.batch_in_epoch = 0
+        self.new_epoch()
         if self.args.synthetic and len(self.train_loss) == self.args.epochs:
             return  # a synthetic run measures: after its last epoch nothing is left to continue
         self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
@@ -414,11 +413,11 @@ class RunKeeper:
 
     def latest(self, name):
         """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
-        c = self.args
+        args = self.args
         launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
-        settings = {key: getattr(c, key) for key in SETTINGS} | c.own
-        made = {"script": c.script, "kind": c.kind, "settings": settings, "flags": started_flags(), "launch": launch}
-        return {"checkpoint": name, "epochs_done": len(self.train_loss)} | made
+        settings = {key: getattr(args, key) for key in SETTINGS} | args.own
+        made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
+        return {"checkpoint": name, "epochs_done": len(self.train_loss)} | made | {"launch": launch}
 
     def load_last_checkpoint(self):
         """latest.json's checkpoint into the model, optimizer and what else it keeps; returns torch's RNG state then."""
@@ -444,7 +443,8 @@ class RunKeeper:
             fail(f"--resume: {path} does not fit what this script builds ({why}): {other}")
         progress = state["progress"]
         self.last = path
-        self.start_epoch = self.kept = progress["epochs_done"]
+        self.kept = progress["epochs_done"]
+        self.start_epoch = self.kept
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
         self.earlier = {key: progress[key] for key in self.earlier}
         self.peak_gb = progress.get("peak_gb", 0.0)
@@ -453,11 +453,11 @@ class RunKeeper:
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
         self.noting = True  # all or nothing: a signal waits until the files are written, and is said as the run ends
-        c = self.args
-        test_acc = None if c.synthetic else test_acc
+        args = self.args
+        test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
-        peak = max(self.peak_gb, peak_memory_gb(c.accelerator))
+        peak = max(self.peak_gb, peak_memory_gb(args.accelerator))
         waited = waiting_share(self.cpu_at_start)
         if self.world_size > 1:
             peak, waited = map(float, reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max"))
@@ -466,44 +466,46 @@ class RunKeeper:
         images_per_s = round(images / seconds, 2) if seconds else None
         self.say(*closing_lines(train_time_s, peak, images_per_s, test_acc, self.checkpoint_s, waited))
         measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s, peak_memory_gb=round(peak, 4))
-        measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if c.synthetic else self.val_acc)
+        measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if args.synthetic else self.val_acc)
         cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # what the machine's load does not change
         measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
         # torch.compile's wrapper, by the name of its class (torch keeps it in a private module)
         compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
-        self.agree(self.write_the_results, state, build(c, self.fabric, compiled, measured))
+        self.agree(self.write_the_results, state, build(args, self.fabric, compiled, measured))
         self.finished = True
 
     def write_the_results(self, state, record):
         """Process 0 writes the model file and record, then drops the checkpoints; a failed write names what is kept."""
         if self.rank:
             return
-        c = self.args
-        if c.synthetic:
+        args = self.args
+        if args.synthetic:
             again = invoked(*started_flags())
             kept = f"a synthetic run keeps no checkpoint of its last epoch: run it again with: {again}"
         else:
             kept = f"the checkpoint of the finished training is kept in {self.folder}: finish with: {resume_command()}"
-        write_atomically(c.save_model, state, then=kept)
-        append_record(c.results, record, then=f"The model is saved in {c.save_model}, and {kept}.")
+        write_atomically(args.save_model, state, then=kept)
+        append_record(args.results, record, then=f"The model is saved in {args.save_model}, and {kept}.")
         for checkpoint in [self.folder / LATEST, *self.folder.glob("epoch-*.ckpt")]:
             remove(checkpoint)
-        if c.kind:
-            self.say(kind_line(c, self.init))
-        if not c.whole:
+        if args.kind:
+            self.say(kind_line(args, self.init))
+        if not args.whole:
             out = "plot_results.py and 08 leave it out unless asked"
-            self.say(f"CUT SHORT by --max-steps {c.max_steps}: recorded as such; {out}.")
-        self.say(f"Run record appended to {c.results}; finetuned model saved to {c.save_model}")
+            self.say(f"CUT SHORT by --max-steps {args.max_steps}: recorded as such; {out}.")
+        self.say(f"Run record appended to {args.results}; finetuned model saved to {args.save_model}")
 
     def interrupted_line(self, signum):
         name = signal.Signals(signum).name
-        c = self.args
+        args = self.args
         if self.finished:
-            where = f"its record is in {c.results} and its model in {c.save_model}"
+            where = f"its record is in {args.results} and its model in {args.save_model}"
             return f"interrupted ({name}) after the run finished: {where}."
         if not self.started:  # training has not begun
-            kept = f"{self.folder} is as it was: continue with: {resume_command()}" if c.resume or c.restart else None
-            return f"interrupted ({name}) while starting; {kept or 'nothing was written.'}"
+            if args.resume or args.restart:
+                kept = f"{self.folder} is as it was: continue with: {resume_command()}"
+                return f"interrupted ({name}) while starting; {kept}"
+            return f"interrupted ({name}) while starting; nothing was written."
         trained = len(self.train_loss)
         losing = ""
         if trained > self.kept:  # between an epoch's end and its checkpoint's name in latest.json
@@ -511,7 +513,7 @@ class RunKeeper:
         elif self.batch_in_epoch:
             losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            held = f"the last checkpoint, {self.last}, holds {self.kept} of {c.epochs} epochs{losing}"
+            held = f"the last checkpoint, {self.last}, holds {self.kept} of {args.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
@@ -528,10 +530,7 @@ def end_this_process(code, error=None):
     teardown, where gloo's worker threads may still let go of a collective's tensor, whose Python object then aborts
     the process ("terminate called without an active exception": pytorch/pytorch#190489). No code after the block,
     no exit handler runs in it (docs/run-keeping.md)."""
-    if isinstance(error, SystemExit):
-        print(error.code, file=sys.stderr)
-        code = 1
-    elif error is not None:
+    if error is not None:
         traceback.print_exception(error)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or a full disk: nothing more to say

@@ -22,15 +22,15 @@ def build(args, fabric, compiled, measured):
     """A finished run's record: its settings, whether torch.compile wrapped the model, what the keeper measured."""
     import torch
 
-    c = args
     ran = fabric.strategy.precision.precision if fabric else "32-true"
-    record = {"record_version": VERSION, "script": c.script, "kind": c.kind or "full", "accelerator": c.accelerator}
-    record |= {"device_name": device_name(c.accelerator), "devices": c.devices, "world_size": c.world_size}
-    record |= {"data_parallel": c.data_parallel, "settings": c.own, "precision": ran}
-    record |= {"precision_asked": c.precision_asked or ran}
-    record |= {"compile_mode": (c.compile_mode or "default") if compiled else None}
-    record |= {"model": "smoke ViT" if c.smoke else c.vit, "batch_size": c.batch_size, "micro_batches": c.micro_batches}
-    record |= {"seed": c.seed, "max_steps": c.max_steps, **measured, "model_file": str(c.save_model)}
+    record = {"record_version": VERSION, "script": args.script, "kind": args.kind or "full"}
+    record |= {"accelerator": args.accelerator, "device_name": device_name(args.accelerator)}
+    record |= {"devices": args.devices, "world_size": args.world_size, "data_parallel": args.data_parallel}
+    record |= {"settings": args.own, "precision": ran, "precision_asked": args.precision_asked or ran}
+    record |= {"compile_mode": (args.compile_mode or "default") if compiled else None}
+    record |= {"model": "smoke ViT" if args.smoke else args.vit, "batch_size": args.batch_size}
+    record |= {"micro_batches": args.micro_batches, "seed": args.seed, "max_steps": args.max_steps, **measured}
+    record |= {"model_file": str(args.save_model)}
     record |= {"torch": torch.__version__, "lightning": importlib.metadata.version("lightning")}
     return record | {"timestamp": datetime.now(timezone.utc).isoformat()}
 
