@@ -118,8 +118,8 @@ class RunKeeper:
             self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
             signal.signal(signum, self.on_signal)
         # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK, OMP_NUM_THREADS ...), and
-        # LT_PRECISION, the precision that runs (device.precision_that_runs), which Fabric(...) takes over its argument
-        # as `fabric run --precision` sets it: the lesson's line stays as the talk wrote it
+        # LT_PRECISION: the script's Fabric(precision=...), or 32-true on a device without bfloat16 (config.settle, by
+        # device.precision_that_runs). Fabric takes it over its argument, as from `fabric run --precision`
         self.undo.callback(put_back_environment, dict(os.environ))
         if self.args.precision:
             os.environ["LT_PRECISION"] = self.args.precision
