@@ -106,6 +106,7 @@ class RunKeeper:
             self.__exit__(KeyboardInterrupt, stop, None)
             raise
         except BaseException:
+            self.noting = True  # its changes undone whole
             self.undo.close()
             raise
 
@@ -303,9 +304,9 @@ class RunKeeper:
         self.epoch_loss = self.epoch_loss + loss  # once not finite, it stays so
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
         self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
-        if self.batch_in_epoch % PRINT_EVERY == 0:
-            self.check_loss()  # and the epoch's end checks it too
-        self.batch_in_epoch += 1
+        self.batch_in_epoch += 1  # trained: a Ctrl-C from here counts it
+        if self.batch_in_epoch % PRINT_EVERY == 1:  # the lesson's batches 0, 300, ...; the epoch's end checks too
+            self.check_loss()
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):

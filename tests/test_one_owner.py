@@ -212,13 +212,14 @@ def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, t
                     os.kill(os.getpid(), signal.SIGINT)
             return at_each_line
 
+        tracer = sys.gettrace()  # coverage's, say
         sys.settrace(lambda frame, event, arg: at_each_line if frame.f_code in set_up else None)
         try:
             code, printed = run_here(script, "--smoke")
         except KeyboardInterrupt:  # out of the run's hands: a traceback and no line (pytest would stop the suite)
             pytest.fail(f"Ctrl-C at set-up line {stop_at} left the run as a KeyboardInterrupt")
         finally:
-            sys.settrace(None)
+            sys.settrace(tracer)
         if lines >= stop_at:
             assert code == 130, (stop_at, code, printed)
             assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; nothing was written.\n"
