@@ -130,7 +130,7 @@ def build_vit(weights, args):
     IMAGENET1K_V1; --synthetic: random init. model.init says what it starts from."""
     import torchvision.models as vits
 
-    vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's model
+    vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
     weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
     init = "random init"
     if args.smoke:
@@ -148,7 +148,7 @@ def build_vit(weights, args):
             cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
             fetch = f"On a machine with internet, download {weights.url} and place it at {cache}"
             fail(f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)}). {fetch}.")
-    setattr(model, "init", init)  # a note beside torchvision's own attributes
+    setattr(model, "init", init)  # a note beside torchvision's attributes (setattr: its class declares no init)
     return model
 
 

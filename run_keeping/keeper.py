@@ -78,7 +78,7 @@ class RunKeeper:
         self.val_acc: list[float] = []
         self.lr: list[float] = []
         self.peak_gb = 0.0
-        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # before a --resume
+        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # progress() before --resume
         # this session's timing (started: when training began, 0 before)
         self.started = 0.0
         self.cpu_at_start = (0.0, 0.0)
@@ -370,7 +370,7 @@ class RunKeeper:
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
-        """What a checkpoint keeps of the run's figures and timing."""
+        """What a checkpoint keeps of the run's figures and timing (its time by this clock: train()'s is not back)."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
         figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
