@@ -67,7 +67,7 @@ if __name__ == "__main__":
     with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (Fabric's precision, Ctrl-C, the checkpoint folder), undone as the block ends: run_keeping/keeper.py
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-            precision="bf16-mixed",  # [04] new: mixed precision (on a device without bfloat16, RunKeeper has Fabric run 32-true: keeper.py, set_up)
+            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: device.py, precision_that_runs; RunKeeper hands it to Fabric)
         )
         fabric.launch()  # [03] new: starts the other processes, if any
         keeper.start(fabric)  # [03] instead of keeper.start(): in each of Fabric's processes

@@ -108,8 +108,9 @@ def synthetic_datasets(args, device=None):
         return Subset(TensorDataset(images, labels), [i % held for i in range(n)])
 
     train_images = args.max_steps * per_step
+    held = train_images if device is None else per_step  # on a GPU, one step's, cycled through
     each = args.data_parallel  # to evaluate: one image a process
-    return make(train_images, train_images if device is None else per_step), make(each, each), make(each, each)
+    return make(train_images, held), make(each, each), make(each, each)
 
 
 SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-digits.pt"

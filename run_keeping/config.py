@@ -65,9 +65,7 @@ def started_flags():
 
 def resume_command(flags=None):
     """The command that continues this run (its flags, or `flags`, plus --resume)."""
-    if flags is None:
-        flags = started_flags()
-    command = invoked(*flags, "--resume")
+    command = invoked(*(started_flags() if flags is None else flags), "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command
@@ -129,7 +127,7 @@ def own_tags(text):
     tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
     if not tags:
         return []
-    number = max(n for n, _ in tags)
+    number = max(tags, key=lambda tag: int(tag[0]))[0]  # the lesson's own: the highest
     own = dict.fromkeys(f"[{number}] {change.rstrip('.')}." for n, change in tags if n == number)
     return [tag for tag in own if len(tag.split()) > 2]
 
@@ -229,7 +227,7 @@ class LessonParser(Parser):
         if num_workers_flag:  # not where the loader has no workers (09)
             add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
         add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
-        add("--no-download", **switch, help="fail instead of downloading CIFAR-10")
+        add("--no-download", **switch, default=None, help="fail instead of downloading CIFAR-10")  # None: not given
         add("--results", default="results/runs.jsonl", metavar="FILE", help="run records, a JSON line a run, appended")
         add("--save-model", metavar="PATH", help="where the finetuned model goes (default models/<run>.pt)")
         add("--vit", choices=list(VITS), help="torchvision's model (default vit_b_16, the talk's)")
@@ -280,7 +278,7 @@ class LessonParser(Parser):
         """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go together,
         processes and sizes, the lesson's check=, the machine, places, a prompt, the launch, the checkpoint folder."""
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
-        data_flags = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) not in (None, False)]
+        data_flags = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) is not None]
         if data_flags and kind:
             ignored = " and ".join(data_flags)
             self.error(f"{ignored}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
@@ -502,7 +500,9 @@ def check_launch(devices, num_nodes, takes_devices):
     problem = None
     asked = f"--devices {devices} --num-nodes {num_nodes}{'' if takes_devices else ' (one process)'}"
     job = env.get("SLURM_JOB_NAME")
-    if "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
+    if "LT_CLI_USED" in env:  # Fabric then refuses its arguments where they differ from `fabric run`'s flags
+        problem = "`fabric run` sets Fabric's arguments, which this lesson's flags set: run it with python or torchrun"
+    elif "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))  # SLURM's sizes
         per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
         if "SLURM_STEP_ID" not in env and ntasks > 1:

@@ -69,6 +69,7 @@ def native_bf16(device_type):
 
         return torch.cuda.is_bf16_supported(including_emulation=False)
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    # oneDNN's ISA names that reach the bfloat16 units: AVX512_CORE_BF16, _FP16, _AMX (and _AMX_FP16), AVX10_1_512...
     capped = cap != "ALL" and not any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10"))
     has_units = bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
     return has_units and not capped

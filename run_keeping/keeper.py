@@ -71,7 +71,7 @@ class RunKeeper:
         self.batches_per_epoch = 0
         # the last checkpoint kept, the epochs it holds, and the epoch the loop starts at
         self.last: Path | None = None
-        self.kept = 0
+        self.epochs_kept = 0
         self.start_epoch = 0
         # each epoch's figures (a resumed run's earlier ones too), the peak memory of every session
         self.train_loss: list[float] = []
@@ -94,7 +94,7 @@ class RunKeeper:
         self.epoch_loss: torch.Tensor | None = None
         self.first_bad = torch.tensor(-1.0)
         self.epoch_lr = 0.0
-        self.epoch_timer: float | None = None
+        self.timed_since: float | None = None  # the epoch's timer, started at its WARMUP_STEPS-th step
         self.epoch_images = 0
 
     def __enter__(self):
@@ -102,9 +102,9 @@ class RunKeeper:
             with self.signals_noted():  # a signal while the run's changes are made is raised once they all are
                 self.set_up()
             return self
-        except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, 130 or 143, all undone
-            self.__exit__(KeyboardInterrupt, stop, None)
-            raise
+        except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, all undone, and
+            self.__exit__(KeyboardInterrupt, stop, None)  # SystemExit(130 or 143) raised
+            raise  # (not reached)
         except BaseException:
             self.noting = True  # its changes undone whole
             self.undo.close()
@@ -278,7 +278,7 @@ class RunKeeper:
         self.model = model
         self.optimizer = optimizer
         self.batches_per_epoch = len(train_loader)
-        self.init = getattr(model, "init", "random init")  # what it starts from: build_vit notes it
+        self.init = getattr(model, "init", "random init")  # build_vit notes it; Fabric's wrapper hands it on
         if self.args.kind:
             self.say(kind_line(self.args, self.init))
         if self.world_size > 1:
@@ -305,8 +305,8 @@ class RunKeeper:
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
         self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
         self.batch_in_epoch += 1  # trained: a Ctrl-C from here counts it
-        if self.batch_in_epoch % PRINT_EVERY == 1:  # the lesson's batches 0, 300, ...; the epoch's end checks too
-            self.check_loss()
+        if self.batch_in_epoch % PRINT_EVERY == 1:  # after the lesson's batch_idx 0, 300, ..., where it prints (and
+            self.check_loss()  # waits for the device); the epoch's end checks too
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
@@ -314,13 +314,13 @@ class RunKeeper:
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
-        if self.epoch_timer is not None:
+        if self.timed_since is not None:
             self.epoch_images += batch_size
             if self.batch_in_epoch == self.batches_per_epoch:
                 self.timed_images += self.epoch_images
-                self.timed_seconds += self.now() - self.epoch_timer
+                self.timed_seconds += self.now() - self.timed_since
         elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
-            self.epoch_timer = self.now()
+            self.timed_since = self.now()
             self.epoch_images = 0
             if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -402,7 +402,7 @@ class RunKeeper:
                         if older.name != name:
                             remove(older)
                 self.last = final
-                self.kept = done
+                self.epochs_kept = done
         except (OSError, RuntimeError) as err:  # torch reports a full disk as a RuntimeError
             if lost_peer(self.world_size, err):
                 raise  # not the disk: a process of the run is gone (explain says so)
@@ -444,8 +444,8 @@ class RunKeeper:
             fail(f"--resume: {path} does not fit what this script builds ({why}): {other}")
         progress = state["progress"]
         self.last = path
-        self.kept = progress["epochs_done"]
-        self.start_epoch = self.kept
+        self.epochs_kept = progress["epochs_done"]
+        self.start_epoch = self.epochs_kept
         self.train_loss, self.val_acc, self.lr = progress["train_loss"], progress["val_acc"], progress["lr"]
         self.earlier = {key: progress[key] for key in self.earlier}
         self.peak_gb = progress.get("peak_gb", 0.0)
@@ -509,12 +509,12 @@ class RunKeeper:
             return f"interrupted ({name}) while starting; nothing was written."
         trained = len(self.train_loss)
         losing = ""
-        if trained > self.kept:  # between an epoch's end and its checkpoint's name in latest.json
+        if trained > self.epochs_kept:  # between an epoch's end and its checkpoint's name in latest.json
             losing = f"; epoch {trained}, whose checkpoint was being written, is not kept"
         elif self.batch_in_epoch:
             losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            held = f"the last checkpoint, {self.last}, holds {self.kept} of {args.epochs} epochs{losing}"
+            held = f"the last checkpoint, {self.last}, holds {self.epochs_kept} of {args.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 

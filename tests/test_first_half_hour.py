@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, parse_as, run_script
 
 
 @pytest.mark.slow
@@ -32,6 +32,25 @@ def test_flags_a_smoke_run_would_ignore_are_refused(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "--num-workers and --data-dir: a smoke run reads no CIFAR-10" in line, line
+
+
+@pytest.mark.parametrize("flags", [("--num-workers", "0"), ("--num-workers", "1"), ("--no-download",)])
+def test_a_smoke_run_refuses_each_cifar10_flag_whatever_its_value(flags, capsys):
+    """0 workers is given all the same (argparse's 0 is no default's None)."""
+    with pytest.raises(SystemExit) as stop:
+        parse_as("04_fabric-vit-mixed-precision.py", "--smoke", *flags)
+    assert stop.value.code == 2 and f"{flags[0]}: a smoke run reads no CIFAR-10" in capsys.readouterr().err
+
+
+def test_fabric_run_is_refused_in_one_line(monkeypatch, capsys):
+    """Under `fabric run` (LT_CLI_USED), Fabric refuses an argument that differs from its flags, the precision that
+    runs among them: a lesson, whose flags set them, says so before any work, and names what runs it."""
+    monkeypatch.setenv("LT_CLI_USED", "1")
+    with pytest.raises(SystemExit) as stop:
+        parse_as("04_fabric-vit-mixed-precision.py", "--smoke")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "`fabric run` sets Fabric's arguments" in err
+    assert "run it with python or torchrun" in err
 
 
 @pytest.mark.slow
