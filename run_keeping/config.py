@@ -392,7 +392,7 @@ def place_processes(given, parser):
     devices = parser.shape["devices"]
     on_the_cpu = given.accelerator == "cpu" or (given.smoke and given.accelerator == "auto")
     gpus, torch_says = (0, None) if on_the_cpu else cuda_gpus()
-    refusal = unusable_gpu_line(torch_says) if torch_says else None
+    refusal = unusable_gpu_line(torch_says) if torch_says else None  # the first of three: torch's, no GPU, too few
     accelerator = given.accelerator
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if gpus and not given.smoke else "cpu"

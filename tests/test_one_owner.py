@@ -173,31 +173,32 @@ def test_ctrl_c_at_every_line_a_run_prints_is_one_line_and_130(as_found, tmp_pat
     assert stop_at > len(whole) - 1 and "after the run finished: its record is in results/runs.jsonl" in said[0], said
 
 
-def test_sys_exit_with_words_in_a_run_is_its_line_and_1(as_found, tmp_path, monkeypatch):
-    """sys.exit("why") in a run's block ends it as Python would end it, within the run's end: its words in one line,
-    exit 1, no traceback, the interpreter as found."""
-    monkeypatch.chdir(tmp_path)
-    script = tmp_path / "17_your-lesson.py"
+def a_run_that(does, folder):
+    """A lesson of its own in `folder` whose run's block does `does` (a line of Python), and nothing else."""
+    script = folder / "17_your-lesson.py"
     script.write_text("import sys\n\nfrom local_utilities import lesson_parser\nfrom run_keeping.keeper import RunKeeper"
                       "\n\nif __name__ == '__main__':\n    with RunKeeper(lesson_parser(epochs=3).parse_args()):\n"
-                      "        sys.exit('why it stopped')\n")
+                      f"        {does}\n")
+    return script
+
+
+def test_sys_exit_with_words_in_a_run_is_its_line_and_1(as_found, tmp_path):
+    """sys.exit("why") in a run's block ends it as Python would end it, within the run's end: its words in one line,
+    exit 1, no traceback, the interpreter as found."""
+    script = a_run_that("sys.exit('why it stopped')", tmp_path)
     as_found = as_found(script)
     code, printed = run_here(script, "--smoke")
     assert code == 1 and printed[-1] == "17_your-lesson.py: why it stopped\n", printed
     assert not any("Traceback" in line for line in printed) and interpreter() == as_found
 
 
-def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path, monkeypatch):
+def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path):
     """Ctrl-C as each line of RunKeeper's __enter__ and set_up runs once the run owns Ctrl-C (Python's tracer sends
     it), before the run's first line is printed: one line, 130, no traceback, the interpreter as found, until a run's
     set-up has fewer lines. (Before the run owns it, Ctrl-C is Python's own: docs/flags-records-exit-codes.md.)"""
     from run_keeping.keeper import RunKeeper
 
-    monkeypatch.chdir(tmp_path)
-    script = tmp_path / "17_your-lesson.py"
-    script.write_text("from local_utilities import lesson_parser\nfrom run_keeping.keeper import RunKeeper\n\n"
-                      "if __name__ == '__main__':\n    with RunKeeper(lesson_parser(epochs=3).parse_args()):\n"
-                      "        pass\n")
+    script = a_run_that("pass", tmp_path)
     as_found = as_found(script)
     set_up = {RunKeeper.__enter__.__code__, RunKeeper.set_up.__code__}
     stop_at, lines = 0, 0
