@@ -382,6 +382,21 @@ def test_the_loss_guard_stops_on_nan_and_inf(parse, capsys, bad):
     assert not os.path.exists(keeper.folder)
 
 
+@pytest.mark.parametrize("bad_at, stops_at", [(0, 0), (2, 300), (300, 300), (301, 600)])
+def test_the_loss_guard_looks_where_the_lesson_prints(parse, capsys, bad_at, stops_at):
+    """Within an epoch the loss guard looks where the lesson prints its loss (batch_idx 0, 300, 600, ...), where the
+    lesson waits for the device anyway: a loss that is not finite stops the run there, naming its batch."""
+    model, optimizer = model_and_optimizer(parse())
+    keeper = started(parse())
+    keeper.resume(model, optimizer, train_loader=[None] * 700)
+    with pytest.raises(SystemExit) as exit_info:
+        for batch_idx in range(700):
+            keeper.batch_done(torch.tensor(float("nan") if batch_idx == bad_at else 1.0), batch_size=4)
+    assert exit_info.value.code == 1 and batch_idx == stops_at
+    assert f"the loss is nan at epoch 1, batch {bad_at}" in capsys.readouterr().err
+    ended(keeper)
+
+
 def test_the_epoch_loss_is_the_mean_of_its_steps(parse):
     keeper, model, optimizer = keeper_after_steps(parse(), [2.0, 4.0, 3.0, 7.0])
     time.sleep(0.5)  # the validation, which images_per_s leaves out
