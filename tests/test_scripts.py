@@ -484,6 +484,15 @@ def test_no_tf32_switch_anywhere():
         assert "set_float32_matmul_precision" not in text and "allow_tf32" not in text, path.name
 
 
+def test_a_lessons_own_tags_are_those_of_its_highest_number():
+    """The tagged lines --help opens with are the highest number's, compared as numbers (a lesson 100 tags after
+    99); a bare "[100] new" says nothing and is left out."""
+    from run_keeping.config import own_tags
+
+    text = "x = 1  # [99] instead of y: the old way\nz = 2  # [100] new: the third way\nw = 3  # [100] new\n"
+    assert own_tags(text) == ["[100] new: the third way."]
+
+
 @pytest.mark.slow
 def test_help_opens_with_the_scripts_own_technique(tmp_path):
     """--help of each script: its own flags and defaults; it opens with the lines the script changed against
