@@ -109,8 +109,8 @@ def read_script(path):
             continue
         name = ast.unparse(call.func)
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
-        if name.split(".")[-1] == "Fabric" and "precision" in keywords:  # L.Fabric(...), Fabric(...)
-            precision = keywords["precision"]
+        if name.split(".")[-1] == "Fabric" and ({"precision", None} & set(keywords) or len(call.args) > 4):
+            precision = keywords.get("precision")  # None where given by position or **: not a literal, as asked
             said["precision"] = precision.value if isinstance(precision, ast.Constant) else None
         elif name == "torch.compile":
             mode = keywords.get("mode")
@@ -296,8 +296,8 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        given.precision = said["precision"]  # as asked where the machine is refused (its line is said below)
-        if not machine_refusal:
+        given.precision = said["precision"]  # as asked where the machine is refused (said below): a GPU torch cannot
+        if not machine_refusal:  # use is not asked whether it computes bfloat16
             given.precision = precision_that_runs(said["precision"], given.accelerator)
         given.compile_mode = said["compile_mode"]
         given.data_dir = given.data_dir or "data"

@@ -97,11 +97,11 @@ def device_name(accelerator):
     return f"CPU {model or 'unknown'} ({os.cpu_count()} cores{details})"
 
 
-def fallback_line(args):
-    """What a run says where the precision that runs is not the one its script asks for, or None."""
-    if args.precision == args.precision_asked:
+def fallback_line(args, ran):
+    """What a run says where the precision that runs (`ran`, Fabric's) is not the one its script asks for, or None."""
+    if ran == args.precision_asked or args.precision_asked is None:
         return None
-    instead = f"running {args.precision} instead of {args.precision_asked}"
+    instead = f"running {ran} instead of {args.precision_asked}"
     if args.accelerator == "cuda":
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: {instead}."
     slow = "emulated bfloat16 runs many times slower than float32; the record says both"

@@ -104,7 +104,7 @@ class RunKeeper:
             return self
         except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, all undone, and
             self.__exit__(KeyboardInterrupt, stop, None)  # SystemExit(130 or 143) raised
-            raise  # (not reached)
+            raise  # (not reached: __exit__ raised SystemExit)
         except BaseException:
             self.noting = True  # its changes undone whole
             self.undo.close()
@@ -143,11 +143,12 @@ class RunKeeper:
     @contextlib.contextmanager
     def signals_noted(self):
         """A signal meanwhile is noted, and raised once the block is done (not where it fails: its error is said)."""
+        noting = self.noting  # as found: set again after the block
         self.noting = True
         try:
             yield
         finally:
-            self.noting = False
+            self.noting = noting
         if self.noted:
             self.signum, self.noted = self.noted, None
             raise KeyboardInterrupt
@@ -245,14 +246,14 @@ class RunKeeper:
 
     def start(self, fabric=None):
         """In each of the run's processes: process 0 takes the checkpoint folder (where any process cannot go on, none
-        does); each says who started it; process 0 the precision that runs instead, and a launcher's restart."""
+        does); each says who started it; process 0 says a precision not the script's, and a launcher's restart."""
         if fabric is not None:
             self.fabric = fabric
             self.rank = fabric.global_rank
             self.world_size = fabric.world_size
         self.agree(self.take_the_folder)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        self.say(fallback_line(self.args))
+        self.say(fallback_line(self.args, fabric.strategy.precision.precision if fabric else "32-true"))
         if self.args.restart:
             self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
@@ -310,7 +311,7 @@ class RunKeeper:
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
-        """Images and seconds of each epoch's steps but its first, from the WARMUP_STEPS-th; on a GPU, peak memory."""
+        """Images and seconds of each epoch's steps but its first, from the WARMUP_STEPS-th, where GPU peaks start."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -397,7 +398,8 @@ class RunKeeper:
             with self.signals_noted():  # the checkpoint named whole, the one before removed, as one step
                 if self.rank == 0:
                     os.replace(partial, final)
-                    write_atomically(self.folder / LATEST, json.dumps(self.latest(name)).encode(), then=kept)
+                    latest = latest_json(self.args, name, done)
+                    write_atomically(self.folder / LATEST, json.dumps(latest).encode(), then=kept)
                     for older in self.folder.glob("epoch-*.ckpt"):
                         if older.name != name:
                             remove(older)
@@ -411,14 +413,6 @@ class RunKeeper:
             full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
-
-    def latest(self, name):
-        """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
-        args = self.args
-        launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
-        settings = {key: getattr(args, key) for key in SETTINGS} | args.own
-        made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
-        return {"checkpoint": name, "epochs_done": len(self.train_loss)} | made | {"launch": launch}
 
     def load_last_checkpoint(self):
         """latest.json's checkpoint into the model, optimizer and what else it keeps; returns torch's RNG state then."""
@@ -517,6 +511,14 @@ class RunKeeper:
             held = f"the last checkpoint, {self.last}, holds {self.epochs_kept} of {args.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
+
+
+def latest_json(args, name, epochs_done):
+    """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
+    launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
+    settings = {key: getattr(args, key) for key in SETTINGS} | args.own
+    made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
+    return {"checkpoint": name, "epochs_done": epochs_done} | made | {"launch": launch}
 
 
 def put_back_environment(found):

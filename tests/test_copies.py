@@ -47,7 +47,7 @@ def test_a_copy_asks_for_what_its_original_asks_for(script, tmp_path, monkeypatc
         ours, theirs = parse_as(copy, "--smoke"), parse_as(ROOT / script, "--smoke")
         for key in ("own", "precision", "precision_asked", "compile_mode", "micro_batches", "data_parallel", "epochs"):
             assert getattr(ours, key) == getattr(theirs, key), (script, cap, key)
-        assert fallback_line(ours) == fallback_line(theirs), script
+        assert fallback_line(ours, ours.precision) == fallback_line(theirs, theirs.precision), script
         assert ours.script == copy.name and ours.save_model == theirs.save_model.replace(script[:-3], copy.stem)
 
 

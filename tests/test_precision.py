@@ -138,8 +138,11 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
         assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
         with fabric.autocast():
             assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
-    assert f"running 32-true instead of {asked}" in fallback_line(settings)
+        ran = fabric.strategy.precision.precision
+    assert f"running 32-true instead of {asked}" in fallback_line(settings, ran)
     assert "LT_PRECISION" not in os.environ  # the run's end takes the fallback away again
+    before = L.Fabric(accelerator="cpu", devices=1, precision=asked)  # a lesson's Fabric made before its RunKeeper
+    assert fallback_line(settings, before.strategy.precision.precision) is None  # the line says what runs: asked
 
 
 def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):
@@ -176,3 +179,21 @@ def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     assert rows[0]["precision"] == "32-true (asked bf16-mixed)"
     assert any(line.startswith("- Not measured in the precision they ask for: 04")
                for line in throughput.verdict(rows, args, "CPU AMD EPYC (2 cores)"))
+
+
+@pytest.mark.parametrize("call, said", [
+    ('L.Fabric(accelerator="cpu", precision="bf16-true")', "bf16-true"),
+    ('L.Fabric(accelerator="cpu")', "32-true"),  # Fabric's own default
+    ('L.Fabric(accelerator="cpu", **dict(precision="bf16-mixed"))', None),
+    ('L.Fabric("cpu", "auto", 1, 1, "16-mixed")', None),  # precision is Fabric's fifth argument
+    ('L.Fabric(accelerator="cpu", precision=PRECISION)', None),
+])
+def test_only_a_literal_precision_is_read_from_the_script(tmp_path, call, said):
+    """The precision a script asks for is read from its Fabric(...) only where it is a literal keyword; given by
+    position, through ** or by a name, it is not known (None): no fallback is set over it, and what the script
+    asks for runs (a contributor's copy that moves the precision into a dict keeps it)."""
+    from run_keeping.config import read_script
+
+    script = tmp_path / "17_your-lesson.py"
+    script.write_text(f"import lightning as L\n\nfabric = {call}\n")
+    assert read_script(script)["precision"] == said
