@@ -65,7 +65,8 @@ def started_flags():
 
 def resume_command(flags=None):
     """The command that continues this run (its flags, or `flags`, plus --resume)."""
-    command = invoked(*(started_flags() if flags is None else flags), "--resume")
+    flags = started_flags() if flags is None else flags
+    command = invoked(*flags, "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command

@@ -111,26 +111,27 @@ def test_where_the_cpu_lacks_bfloat16_every_bf16_lesson_runs_float32(smoke_runs,
 
 
 @pytest.mark.parametrize("script", ["04_fabric-vit-mixed-precision.py", "11_fabric-vit-bf16-true.py"])
-def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script):
+def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script, capsys):
     """On a CPU without native bfloat16 (rehearsed: oneDNN capped at AVX2), parse_args decides 32-true and changes
     nothing; inside the run's `with RunKeeper(args)` block LT_PRECISION says it, and the lesson's own
     Fabric(precision=...) line then sets the model up in float32 (11's bf16-true would otherwise cast it to
-    bfloat16) and runs it without autocast; the run's line says so; after the block LT_PRECISION is gone."""
+    bfloat16) and runs it without autocast; the run's line says so; after the block LT_PRECISION is gone. A Fabric
+    made before the block runs what it asks for, and the run's line says nothing of a fallback: it says what runs."""
     import os
 
     import lightning as L
     import torch
     import local_utilities as lu
-    from run_keeping.device import fallback_line
     from run_keeping.keeper import RunKeeper
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     monkeypatch.delenv("LT_PRECISION", raising=False)
     settings = parse_as(script, "--smoke")
     asked = settings.precision_asked
     assert settings.precision == "32-true" and asked.startswith("bf16") and "LT_PRECISION" not in os.environ
-    with RunKeeper(settings):  # as the lesson's Fabric(...) line finds it
+    with RunKeeper(settings) as keeper:  # as the lesson's Fabric(...) line finds it
         assert os.environ["LT_PRECISION"] == "32-true"
         fabric = L.Fabric(accelerator="cpu", devices=1, precision=asked)
+        keeper.start(fabric)
         with fabric.init_module():
             model = lu.smoke_vit()
         model = fabric.setup_module(model)
@@ -138,11 +139,12 @@ def test_the_fallback_sets_up_and_runs_the_model_in_float32(monkeypatch, script)
         assert model(torch.rand(2, 3, 32, 32)).dtype == torch.float32
         with fabric.autocast():
             assert torch.get_autocast_dtype("cpu") != torch.bfloat16 or not torch.is_autocast_enabled("cpu")
-        ran = fabric.strategy.precision.precision
-    assert f"running 32-true instead of {asked}" in fallback_line(settings, ran)
+    assert f"running 32-true instead of {asked}" in capsys.readouterr().out
     assert "LT_PRECISION" not in os.environ  # the run's end takes the fallback away again
     before = L.Fabric(accelerator="cpu", devices=1, precision=asked)  # a lesson's Fabric made before its RunKeeper
-    assert fallback_line(settings, before.strategy.precision.precision) is None  # the line says what runs: asked
+    with RunKeeper(settings) as keeper:
+        keeper.start(before)
+    assert before.strategy.precision.precision == asked and "instead of" not in capsys.readouterr().out
 
 
 def test_the_memory_tables_measure_no_bf16_script_on_a_cpu_without_it(monkeypatch):
