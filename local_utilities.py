@@ -1,6 +1,5 @@
 """What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the talk, and the offline
---smoke and --synthetic stand-ins), the model and evaluation (the sharded lessons' parallelize functions are in
-parallelize.py). The command line, records, checkpoints and --resume are in run_keeping/."""
+--smoke and --synthetic stand-ins), the model and evaluation (parallelize.py: the sharded lessons' own functions)."""
 
 import os
 import shutil
@@ -20,11 +19,11 @@ NUM_VALIDATION = 5000  # the last 5,000 of CIFAR-10's 50,000 training images
 SMOKE_IMAGE_SIZE = 32
 SMOKE_SPLIT = (240, 360)  # of scikit-learn's 1,797 digits, held out for validation and test
 SMOKE_TRAIN = 1797 - sum(SMOKE_SPLIT)  # 1,197 digits to train on
+SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-digits.pt"
 
 
 def lesson_parser(epochs, devices=None, batch_size=16, num_workers_flag=True, check=None):
-    """The flags every lesson shares (run_keeping/config.py), its batch checked against these data's sizes. `devices`:
-    the processes per machine a lesson runs (None: one); `check(args)`: its own relation (docs/adding-a-lesson.md)."""
+    """The flags every lesson shares (config.LessonParser, which says what each argument is), for these data's sizes."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
     return LessonParser(epochs, devices, batch_size, num_workers_flag, train_images=images, check=check)
 
@@ -70,7 +69,7 @@ def cifar10_datasets(data_dir, download=True):
         missing = f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given"
         fail(f"{missing}. Download {CIFAR10_URL}, unpack it there, or drop --no-download.")
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
-        if created:  # the folders this run made (and the partial download in them): gone again
+        if created:  # the topmost folder this run made (the partial download in it): gone again
             shutil.rmtree(created[-1], ignore_errors=True)
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
@@ -113,9 +112,6 @@ def synthetic_datasets(args, device=None):
     return make(train_images, held), make(each, each), make(each, each)
 
 
-SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-digits.pt"
-
-
 def smoke_vit():
     """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (with 4 of 16, random init
     read the digits as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
@@ -132,7 +128,7 @@ def build_vit(weights, args):
     import torchvision.models as vits
 
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
-    weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)
+    weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)  # --smoke: whether any are asked
     init = "random init"
     if args.smoke:
         model = smoke_vit()

@@ -1,9 +1,7 @@
-"""A lesson's command line: the flags every lesson shares, then the lesson's own, in argparse's words.
-
-parse_args() reads the flags, the machine and the checkpoint folder, refuses in one line (exit 2) what the run
-cannot do, and returns the run's settings (Settings). It sets nothing in the process (it starts CUDA's runtime to
-count the GPUs, which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py).
-docs/run-keeping.md"""
+"""A lesson's command line: the flags every lesson shares, then the lesson's own, in argparse's words. parse_args()
+reads the flags, the machine and the checkpoint folder, refuses in one line (exit 2) what the run cannot do, and
+returns the run's settings (Settings). It sets nothing in the process (it starts CUDA's runtime to count the GPUs,
+which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py). docs/run-keeping.md"""
 
 import argparse
 import ast
@@ -21,7 +19,7 @@ from pathlib import Path
 
 from run_keeping.device import cuda_gpus, no_gpu_line, precision_that_runs, unusable_gpu_line
 
-SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke keeps the talk's shape: 4 epochs from random init, 2 finetuning
+SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke's, by the lesson's epochs: 10 (from random init) 4, 3 (finetuning) 2
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
 SYNTHETIC_STEPS = 20  # --synthetic trains this many optimizer steps (one epoch) unless --max-steps
 WARMUP_STEPS = 3  # a run's first optimizer steps are not timed (start-up, compilation)
@@ -35,8 +33,7 @@ NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock on a file sys
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
 # The settings that name a run's checkpoint folder and model file where they differ from the script's defaults, so
-# runs of other settings never share them, with their spelling there; a lesson's own flags follow as the flag and
-# its value: --max-norm 0.5 as max-norm0.5, --scheduler none as scheduler-none.
+# runs of other settings never share them, with their spelling there; a lesson's own flags follow (name_part).
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 
@@ -65,8 +62,7 @@ def started_flags():
 
 def resume_command(flags=None):
     """The command that continues this run (its flags, or `flags`, plus --resume)."""
-    flags = started_flags() if flags is None else flags
-    command = invoked(*flags, "--resume")
+    command = invoked(*(started_flags() if flags is None else flags), "--resume")
     if "TORCHELASTIC_RUN_ID" in os.environ or "SLURM_JOB_ID" in os.environ:
         return f"the same torchrun/srun launch with --resume added ({command})"
     return command
@@ -98,29 +94,33 @@ def whole_number(least, most=None):
 
 def read_script(path):
     """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (Fabric's
-    32-true where it names none; None where not a literal), its torch.compile mode (None: none) and its --help."""
+    32-true where it names none; None where it is not a text literal, as 16 or a name: not known, it runs as given),
+    its torch.compile mode (None: it compiles nothing) and its --help."""
     said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
         tree = ast.parse(text)
     except (OSError, SyntaxError, ValueError):
         return said | {"precision": None}
-    for call in ast.walk(tree):
-        if not isinstance(call, ast.Call):
-            continue
+    for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
         name = ast.unparse(call.func)
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
-        if name.split(".")[-1] == "Fabric" and ({"precision", None} & set(keywords) or len(call.args) > 4):
-            precision = keywords.get("precision")  # None where given by position or **: not a literal, as asked
-            said["precision"] = precision.value if isinstance(precision, ast.Constant) else None
-        elif name == "torch.compile":
-            mode = keywords.get("mode")
-            said["compile_mode"] = mode.value if isinstance(mode, ast.Constant) else "default"
+        if name.split(".")[-1] == "Fabric" and "precision" in keywords:
+            said["precision"] = text_literal(keywords["precision"])
+        elif name.split(".")[-1] == "Fabric" and (None in keywords or len(call.args) > 4):
+            said["precision"] = None  # perhaps given in **options, or as the fifth argument, where Fabric takes it
+        elif name == "torch.compile":  # its mode, where a text literal gives it
+            said["compile_mode"] = text_literal(keywords.get("mode")) or "default"
     tags = own_tags(text)
     items = [textwrap.fill(tag, 116, initial_indent="  - ", subsequent_indent="    ") for tag in tags]
     heading = [f"{Path(path).name}: its own changes, the lines tagged {tags[0][:4]}:", *items, ""] if tags else []
     said["description"] = "\n".join([*heading, (ast.get_docstring(tree) or "").split("\n\n")[0]])
     return said
+
+
+def text_literal(node):
+    """The text a syntax tree's node writes out (`"bf16-mixed"`), or None where it is anything else."""
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
 
 
 def own_tags(text):
@@ -151,9 +151,7 @@ def check_path(flag, path, folder=False):
         elif not os.access(target, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as err:
-        why = err.strerror
-        if os.statvfs(target).f_flag & os.ST_RDONLY:
-            why = f"{target} is on a read-only file system"
+        why = f"{target} is on a read-only file system" if os.statvfs(target).f_flag & os.ST_RDONLY else err.strerror
         fail(f"{flag} {path} cannot be written: {why}")
 
 
@@ -202,16 +200,12 @@ class LessonGroup:
 
 
 class LessonParser(Parser):
-    """The flags every lesson shares (docs/flags-records-exit-codes.md), then the lesson's own, in argparse's words; its
-    flag may set micro_batches or tensor_parallel by its dest. `devices`: the processes a lesson of several runs per
-    machine (None: one, and no --devices). `check(settings)`: the lesson's own relation, a message where it fails."""
-
-    # the lesson's flags, as add_argument returns them: None while argparse and __init__ add the shared ones
-    own_flags: list | None = None
+    """The shared flags (docs/flags-records-exit-codes.md), then the lesson's, which may set micro_batches or
+    tensor_parallel by dest. `devices`: processes per machine (None: one, no --devices); `check(settings)`: a line."""
 
     def __init__(self, epochs, devices=None, batch_size=16, num_workers_flag=True, train_images=None, check=None):
-        # the description, the script's own words, is read as it prints --help (read_script), line by line
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter)
+        self.own_flags: list | None = None  # the lesson's flags as added: None while argparse and this add the shared
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter)  # the description's lines as written
         self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
         self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
         self.train_images = train_images or {}
@@ -243,8 +237,7 @@ class LessonParser(Parser):
         self.set_defaults(micro_batches=1, tensor_parallel=1)
         self.own_flags = []
 
-    # argparse's add_argument is typed to take its keywords one by one; this one hands them on as they come
-    def add_argument(self, *names, **keywords):  # type: ignore[override]
+    def add_argument(self, *names, **keywords):  # type: ignore[override]  (argparse types each keyword)
         action = super().add_argument(*names, **keywords)
         return action if self.own_flags is None else self.own(action)
 
@@ -261,35 +254,31 @@ class LessonParser(Parser):
         group = super().add_argument_group(*args, **keywords)
         return group if self.own_flags is None else LessonGroup(group, self)
 
-    def add_mutually_exclusive_group(self, **keywords):  # type: ignore[override]  (likewise)
-        group = super().add_mutually_exclusive_group(**keywords)
-        return group if self.own_flags is None else LessonGroup(group, self)
+    def add_mutually_exclusive_group(self, **keywords):  # type: ignore[override]  (likewise; only a lesson's)
+        return LessonGroup(super().add_mutually_exclusive_group(**keywords), self)
 
     def flag(self, dest, otherwise):
         """The lesson's flag that sets `dest`, or `otherwise`."""
         flags = [a.option_strings[0] for a in self.own_flags or [] if a.dest == dest and a.option_strings]
         return flags[0] if flags else otherwise
 
-    # argparse's parse_args returns a Namespace; this one returns Settings, a Namespace
-    def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]
-        """The run's settings, or one line and exit 2 (changing nothing)."""
+    def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]  (Settings, a Namespace)
         return self.settle(super().parse_args(args, namespace or Settings()))
 
     def settle(self, given):
         """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go together,
         processes and sizes, the lesson's check=, the machine, places, a prompt, the launch, the checkpoint folder."""
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
-        data_flags = [f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) is not None]
+        data_flags = " and ".join(f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) is not None)
         if data_flags and kind:
-            ignored = " and ".join(data_flags)
-            self.error(f"{ignored}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
+            self.error(f"{data_flags}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
         if given.smoke and given.vit:
             self.error("--vit: a smoke run trains its own small ViT; drop it")
         places, default_devices, machine_refusal = place_processes(given, self)
         sizes, size_defaults = settle_sizes(given, self, kind, places)
         vars(given).update(places, **sizes)  # their Settings: accelerator, devices ... data_parallel; epochs ... steps
-        defaults = {"seed": 123, "vit": "vit_b_16", "world_size": default_devices, **size_defaults}
-        given.vit = given.vit or "vit_b_16"
+        defaults = {"seed": self.get_default("seed"), "vit": "vit_b_16", "world_size": default_devices, **size_defaults}
+        given.vit = given.vit or defaults["vit"]
         given.kind = kind
         given.script = Path(sys.argv[0]).name
         own = own_settings(self.own_flags or [], given)
@@ -297,8 +286,9 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        given.precision = said["precision"]  # as asked where the machine is refused (said below): a GPU torch cannot
-        if not machine_refusal:  # use is not asked whether it computes bfloat16
+        # the precision that runs; as asked where the machine is refused below (a GPU torch cannot use is not asked)
+        given.precision = said["precision"]
+        if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
         given.compile_mode = said["compile_mode"]
         given.data_dir = given.data_dir or "data"
@@ -309,12 +299,16 @@ class LessonParser(Parser):
             given.num_workers = 4
         if self.check and (wrong := self.check(given)):
             self.error(wrong)
-        if machine_refusal:
+        if machine_refusal:  # after the flags' own refusals: a flag wrong whatever the machine is said first
             fail(machine_refusal)
-        check_places(given, kind)
-        if self.shape["devices"] is not None:  # a strategy of processes (DDP, FSDP2), even of one
-            refuse_at_a_prompt()
-        check_launch(given.devices, given.num_nodes, takes_devices=self.shape["devices"] is not None)
+        check_path("--results", given.results)  # each place the run writes, before any work
+        check_path("--save-model", given.save_model)
+        check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
+        if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
+            fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
+        if not kind and not given.no_download:
+            check_path("--data-dir", given.data_dir, folder=True)
+        check_launch(given, takes_devices=self.shape["devices"] is not None)
         given.restart = read_the_checkpoint_folder(given)
         return given
 
@@ -329,11 +323,9 @@ def own_settings(actions, given):
     for action in actions:
         if action.dest == argparse.SUPPRESS:
             continue
-        default = action.default
-        if isinstance(default, str) and callable(action.type):
-            default = action.type(default)
-        value = json.loads(json.dumps(getattr(given, action.dest), default=str))
-        default = json.loads(json.dumps(default, default=str))
+        typed = isinstance(action.default, str) and callable(action.type)  # a text default, as argparse types it
+        default = action.type(action.default) if typed else action.default
+        value, default = json.loads(json.dumps([getattr(given, action.dest), default], default=str))
         own[(action.option_strings or [action.dest])[0]] = (value, default)
     return own
 
@@ -366,25 +358,6 @@ def spoken(value, flag=""):
     if value is None:
         return "unset"
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
-
-
-def check_places(given, kind):
-    """Each place the run writes, before any work: one line where it cannot."""
-    check_path("--results", given.results)
-    check_path("--save-model", given.save_model)
-    check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
-    if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
-        fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-    if not kind and not given.no_download:
-        check_path("--data-dir", given.data_dir, folder=True)
-
-
-def refuse_at_a_prompt():
-    """A lesson of processes at a prompt, where Lightning's launcher cannot start them: one line, its shell command."""
-    if hasattr(sys, "ps1") or sys.flags.interactive:  # a prompt, as Lightning tells one
-        how = f"from a shell: {invoked(*sys.argv[1:])}"
-        launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
-        fail(f"this lesson's processes are started by {launcher}: run it {how}")
 
 
 def place_processes(given, parser):
@@ -426,22 +399,19 @@ def fewer_gpus_line(given, parser, count, gpus):
     asked = f"--devices {count}" if parser.shape["devices"] else "--accelerator cuda"
     if not gpus:
         return no_gpu_line(f"Asked for {count} GPU(s) per machine ({asked}) but this machine has 0.")
+    # as many GPUs as the tensor-parallel group divides; fewer than one group: all of them as one, by the lesson's flag
+    group = given.tensor_parallel
     group_flag = parser.flag("tensor_parallel", None)
-    flags = flags_for(started_flags(), gpus, given.tensor_parallel, group_flag)
+    regroup = gpus < group and group_flag
+    kept = without(started_flags(), "--devices", *([group_flag] if regroup else []))
+    devices = gpus - gpus % group if gpus >= group else gpus
+    flags = [*kept, "--devices", str(devices), *([group_flag, str(gpus)] if regroup else [])]
     command = invoked(*flags, *(["--resume"] if given.resume else []))
     it = "it" if gpus == 1 else "them"
     has = f"this machine has {gpus}"
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         has = f"CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} shows torch {gpus}"
     return f"asked for {count} GPU(s) per machine ({asked}) but {has}: {command} runs on {it}."
-
-
-def flags_for(flags, has, group=1, group_flag=None):
-    """`flags` for `has` GPUs: as many as the tensor-parallel `group` divides, or all as one group (`group_flag`)."""
-    regroup = has < group and group_flag
-    kept = without(flags, "--devices", *([group_flag] if regroup else []))
-    devices = has - has % group if has >= group else has
-    return [*kept, "--devices", str(devices), *([group_flag, str(has)] if regroup else [])]
 
 
 def without(flags, *dropped):
@@ -459,20 +429,16 @@ def without(flags, *dropped):
 def settle_sizes(given, parser, kind, places):
     """(the epochs, batch, steps and micro-batches, checked against each other and the data, and a smoke run's word on
     its batch; the defaults the run's name is against)."""
-    shape = parser.shape
     micro = given.micro_batches
     replicas = places["data_parallel"]
+    default_epochs = parser.shape["smoke_epochs"] if given.smoke else parser.shape["epochs"]
     if given.synthetic:
         default_epochs = 1
-    else:
-        default_epochs = shape["smoke_epochs"] if given.smoke else shape["epochs"]
     epochs = given.epochs or default_epochs
-    max_steps = given.max_steps
-    if given.synthetic and max_steps is None:
-        max_steps = SYNTHETIC_STEPS
+    max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
     if given.synthetic and max_steps <= WARMUP_STEPS and epochs == 1:
         parser.error(f"--synthetic times the steps after {WARMUP_STEPS}: give --max-steps {WARMUP_STEPS + 1} or more")
-    default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else shape["batch_size"]
+    default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else parser.shape["batch_size"]
     batch = given.batch_size or default_batch
     if micro < 1 or batch % micro:
         split = f"the batch of {batch} (--batch-size) is trained on in {micro} micro-batches, so it must divide it"
@@ -495,14 +461,24 @@ def settle_sizes(given, parser, kind, places):
     return sizes, dict(epochs=default_epochs, batch_size=default_batch, max_steps=synthetic_steps)
 
 
-def check_launch(devices, num_nodes, takes_devices):
-    """One line, exit 2, where the processes started are not the run the flags ask for: all stop, the first says why."""
+def check_launch(given, takes_devices):
+    """One line, exit 2, where the processes started are not the run the flags ask for, or cannot be started here:
+    all stop, the first says why."""
+    if takes_devices and (hasattr(sys, "ps1") or sys.flags.interactive):  # at a prompt, as Lightning tells one
+        launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
+        fail(f"this lesson's processes are started by {launcher}: run it from a shell: {invoked(*sys.argv[1:])}")
     env = os.environ
     problem = None
-    asked = f"--devices {devices} --num-nodes {num_nodes}{'' if takes_devices else ' (one process)'}"
+    asked = f"--devices {given.devices} --num-nodes {given.num_nodes}{'' if takes_devices else ' (one process)'}"
     job = env.get("SLURM_JOB_NAME")
+    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments (RunKeeper hands LT_PRECISION to processes)
+    setting_fabric = [f"{name}={value}" for name, value in env.items() if name.startswith("LT_")]
+    setting_fabric = [setting for setting in setting_fabric if setting != f"LT_PRECISION={given.precision}"]
     if "LT_CLI_USED" in env:  # Fabric then refuses its arguments where they differ from `fabric run`'s flags
         problem = "`fabric run` sets Fabric's arguments, which this lesson's flags set: run it with python or torchrun"
+    elif setting_fabric:
+        problem = f"{', '.join(setting_fabric)} in the environment would set Fabric's arguments over this lesson's"
+        problem += " flags: unset it"
     elif "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))  # SLURM's sizes
         per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
@@ -512,18 +488,18 @@ def check_launch(devices, num_nodes, takes_devices):
         elif "SLURM_NTASKS_PER_NODE" not in env:
             problem = f"SLURM started {ntasks} tasks with --ntasks, which does not say how many run on each machine:"
             problem += " use #SBATCH --ntasks-per-node (one task per GPU) instead"
-        elif (per_node, nodes) != (devices, num_nodes):
+        elif (per_node, nodes) != (given.devices, given.num_nodes):
             started = f"{per_node} task(s) per machine on {nodes} machine(s)"
             problem = f"SLURM started {started} (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for"
             problem += f" {asked}: make the two agree (one task per GPU)"
     elif "TORCHELASTIC_RUN_ID" in env:
         local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))  # torchrun's sizes
-        if (local, world) != (devices, devices * num_nodes):
+        if (local, world) != (given.devices, given.world_size):
             problem = f"torchrun started {local} process(es) here and {world} in all, but the flags ask for {asked}:"
             problem += " make --nproc-per-node and --nnodes agree with them"
-    elif num_nodes > 1 and "NODE_RANK" not in env:
+    elif given.num_nodes > 1 and "NODE_RANK" not in env:
         launcher = "srun in a SLURM job, or torchrun on each machine (README: Running on several machines)"
-        problem = f"--num-nodes {num_nodes}: processes on other machines need a launcher: {launcher}."
+        problem = f"--num-nodes {given.num_nodes}: processes on other machines need a launcher: {launcher}."
         if job in SLURM_INTERACTIVE_JOBS:
             problem += f" Inside `srun --pty bash` (SLURM job name {job!r}) Lightning does not use SLURM:"
             problem += " submit the job script with sbatch instead."
@@ -535,23 +511,20 @@ def read_the_checkpoint_folder(given):
     """Why a launcher started this run again, continuing the one in its folder (or None); refused in one line: a run in
     progress there, an unfinished run without --resume, nothing to resume, a checkpoint of other settings."""
     folder = Path(given.checkpoint_dir)
-    holder = lock_holder(folder)
-    if holder is not None:
-        fail_once(in_progress(folder, holder))
+    if lock_holder(folder) is not None:
+        fail_once(in_progress(folder))
     latest = read_json(folder / LATEST)
     exists = (folder / LATEST).exists()
-    restart = restart_reason(latest if isinstance(latest, dict) else {})
+    restart = restart_reason(latest)
     if exists and not given.resume and not restart:
-        flags = latest.get("flags") if isinstance(latest, dict) else None
-        how = f"continue it with: {resume_command(flags)}; or {elsewhere(folder)}"
+        how = f"continue it with: {resume_command(latest.get('flags'))}; or {elsewhere(folder)}"
         fail_once(f"{folder} holds the checkpoint of an unfinished run: {how}; or {start_over(given)}")
     if given.resume and not exists:
         fail_once(nothing_to_resume(given, folder))
-    if exists and not isinstance(latest, dict):
+    if exists and not latest:
         corrupt = f"{folder / LATEST} is unreadable or corrupt (not the JSON a run writes)"
         fail_once(f"--resume: {corrupt}; {start_over(given)}")
-    differences = made_with(given, latest) if latest else []
-    if differences:
+    if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
         as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
@@ -572,7 +545,6 @@ def nothing_to_resume(given, folder):
     line = [f"--resume: nothing to resume in {folder} (no {LATEST})."]
     for path in sorted(folder.parent.glob(f"{Path(given.script).stem}*/{LATEST}")):
         latest = read_json(path)
-        latest = latest if isinstance(latest, dict) else {}
         differences = made_with(given, latest)
         made = f", made with {', '.join(differences)}" if differences else ""
         line.append(f"{path.parent} holds one{made}: continue it with {resume_command(latest.get('flags'))}.")
@@ -596,16 +568,17 @@ def lock_holder(folder):
         os.close(fd)
 
 
-def in_progress(folder, holder):
-    holder = holder or "another process"
+def in_progress(folder):
+    holder = lock_holder(folder) or "another process"
     return f"a run is in progress in {folder} ({holder}): wait, or give this one another --checkpoint-dir."
 
 
 def read_json(path):
     try:
-        return json.loads(Path(path).read_text())
+        found = json.loads(Path(path).read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def restart_reason(latest):

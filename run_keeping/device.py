@@ -62,8 +62,8 @@ def cpu_model_and_flags():
 
 def native_bf16(device_type):
     """Whether the device computes bfloat16 in hardware: a GPU from Ampere on (torch says); a CPU with AVX512-BF16 or
-    AMX (or Arm's bf16) unless ONEDNN_MAX_CPU_ISA caps oneDNN below them. With AVX2 alone a 512x512 product ran 110
-    times slower than in float32."""
+    AMX (or Arm's bf16) unless ONEDNN_MAX_CPU_ISA caps oneDNN below them (torch says it of a CPU only in private names,
+    so Linux's flags are read). With AVX2 alone a 512x512 product ran 110 times slower than in float32."""
     if device_type == "cuda":
         import torch
 
@@ -71,15 +71,15 @@ def native_bf16(device_type):
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
     # oneDNN's ISA names that reach the bfloat16 units: AVX512_CORE_BF16, _FP16, _AMX (and _AMX_FP16), AVX10_1_512...
     capped = cap != "ALL" and not any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10"))
-    has_units = bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
-    return has_units and not capped
+    return not capped and bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
 
 
 def precision_that_runs(asked, accelerator):
-    """A bf16 precision where the device has no native bfloat16 runs as 32-true (emulation is many times slower)."""
-    if asked and asked.startswith("bf16") and not native_bf16(accelerator):  # (None: not a literal, as asked)
-        return "32-true"
-    return asked
+    """32-true where `asked` computes in bfloat16 on a device without native bfloat16 (emulation is many times slower):
+    a bf16 precision, or 16-mixed on a CPU, which Lightning runs as bf16-mixed ("AMP with fp16 is not supported on
+    CPU"). Otherwise, and where `asked` is None (not known), as asked."""
+    cpu_16 = accelerator == "cpu" and asked in ("16-mixed", "16")
+    return "32-true" if asked and (asked.startswith("bf16") or cpu_16) and not native_bf16(accelerator) else asked
 
 
 def device_name(accelerator):
@@ -98,9 +98,9 @@ def device_name(accelerator):
 
 
 def fallback_line(args, ran):
-    """What a run says where the precision that runs (`ran`, Fabric's) is not the one its script asks for, or None."""
-    if ran == args.precision_asked or args.precision_asked is None:
-        return None
+    """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
+    if args.precision == args.precision_asked or ran != args.precision:  # none decided, or not taken (a Fabric made
+        return None  # before the run's block)
     instead = f"running {ran} instead of {args.precision_asked}"
     if args.accelerator == "cuda":
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: {instead}."

@@ -59,6 +59,7 @@ class RunKeeper:
         self.fabric: Any = None
         self.rank = 0
         self.world_size = 1
+        self.precision = "32-true"  # the precision that runs, as Fabric has it (start)
         # how the run ends: the signal that stopped it, one noted while it must not, whether the run finished
         self.signum = signal.SIGINT
         self.noting = False
@@ -67,6 +68,7 @@ class RunKeeper:
         # what resume() is handed, and what else each checkpoint keeps (keep_in_checkpoints)
         self.model: Any = None
         self.optimizer: Any = None
+        self.init = "random init"  # what the model starts from (build_vit's note)
         self.kept_too: list = []
         self.batches_per_epoch = 0
         # the last checkpoint kept, the epochs it holds, and the epoch the loop starts at
@@ -103,8 +105,8 @@ class RunKeeper:
                 self.set_up()
             return self
         except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, all undone, and
-            self.__exit__(KeyboardInterrupt, stop, None)  # SystemExit(130 or 143) raised
-            raise  # (not reached: __exit__ raised SystemExit)
+            self.__exit__(KeyboardInterrupt, stop, None)  # SystemExit(130 or 143) raised, so
+            raise  # this line is not reached
         except BaseException:
             self.noting = True  # its changes undone whole
             self.undo.close()
@@ -114,13 +116,12 @@ class RunKeeper:
         """Each change the run makes to this process, beside its undoing (self.undo undoes them in reverse order)."""
         # Ctrl-C and SIGTERM: from here to the run's end, one line and 130 or 143
         for signum in EXIT_ON_SIGNAL:
-            if signal.getsignal(signum) is signal.SIG_IGN:  # ignored by whoever started it (a job in the background)
-                continue
-            self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
-            signal.signal(signum, self.on_signal)
+            if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored signals stay ignored
+                self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
+                signal.signal(signum, self.on_signal)
         # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK, OMP_NUM_THREADS ...), and
-        # LT_PRECISION: the script's Fabric(precision=...), or 32-true on a device without bfloat16 (config.settle, by
-        # device.precision_that_runs). Fabric takes it over its argument, as from `fabric run --precision`
+        # LT_PRECISION, the precision that runs (device.precision_that_runs), which Fabric takes over its argument, as
+        # `fabric run --precision` sets it (lightning/fabric/connector.py; tests/test_precision.py runs it)
         self.undo.callback(put_back_environment, dict(os.environ))
         if self.args.precision:
             os.environ["LT_PRECISION"] = self.args.precision
@@ -180,8 +181,7 @@ class RunKeeper:
 
     def ending(self, error):
         """(the line, the exit code) of how the block was left: finished (None, 0); interrupted; a known error; a
-        SystemExit, whose line was said (None, its code: sys.exit() is 0), or sys.exit("why"), said as Python would
-        (why, 1); an error only its traceback explains (None, 1)."""
+        SystemExit, its line said (None, its code), or sys.exit("why") (why, 1); an error only a traceback explains."""
         if error is None:
             return None, 0
         if isinstance(error, KeyboardInterrupt):
@@ -195,10 +195,9 @@ class RunKeeper:
     def say_the_end(self, line, error):
         """Process 0 says how the run ended; another process says an error of its own (not a lost peer's)."""
         own = error is not None and not isinstance(error, KeyboardInterrupt) and not lost_peer(self.world_size, error)
-        if line and self.rank == 0:
-            print(f"\n{self.args.script}: {line}", file=sys.stderr, flush=True)
-        elif line and own:
-            print(f"\n{self.args.script}: process {self.rank}: {line}", file=sys.stderr, flush=True)
+        if line and (self.rank == 0 or own):
+            process = f"process {self.rank}: " if self.rank else ""
+            print(f"\n{self.args.script}: {process}{line}", file=sys.stderr, flush=True)
 
     def meet_at_the_end(self):
         """(None, 0) once every process has finished; a signal meanwhile, or no other process within MEET_WITHIN s: its
@@ -234,14 +233,12 @@ class RunKeeper:
             result = action(*args)
         except SystemExit as stop:  # fail()'s line was said
             code = int(stop.code or 0)
-        if self.world_size > 1:
-            failed = int(reduced(self.fabric, code, "max"))
-            if failed and not code:
-                why = f"process {self.rank} of {self.world_size} stops too: another process could not go on"
-                print(f"{self.args.script}: error: {why} (its line says why).", file=sys.stderr, flush=True)
-            code = failed
-        if code:
-            raise SystemExit(code)
+        failed = int(reduced(self.fabric, code, "max"))
+        if failed and not code:
+            why = f"process {self.rank} of {self.world_size} stops too: another process could not go on"
+            print(f"{self.args.script}: error: {why} (its line says why).", file=sys.stderr, flush=True)
+        if failed:
+            raise SystemExit(failed)
         return result
 
     def start(self, fabric=None):
@@ -251,9 +248,10 @@ class RunKeeper:
             self.fabric = fabric
             self.rank = fabric.global_rank
             self.world_size = fabric.world_size
+            self.precision = fabric.strategy.precision.precision
         self.agree(self.take_the_folder)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        self.say(fallback_line(self.args, fabric.strategy.precision.precision if fabric else "32-true"))
+        self.say(fallback_line(self.args, self.precision))
         if self.args.restart:
             self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
@@ -279,7 +277,7 @@ class RunKeeper:
         self.model = model
         self.optimizer = optimizer
         self.batches_per_epoch = len(train_loader)
-        self.init = getattr(model, "init", "random init")  # build_vit notes it; Fabric's wrapper hands it on
+        self.init = getattr(model, "init", self.init)  # build_vit notes it; Fabric's wrapper hands it on
         if self.args.kind:
             self.say(kind_line(self.args, self.init))
         if self.world_size > 1:
@@ -295,8 +293,7 @@ class RunKeeper:
 
     def batch_done(self, loss, batch_size):
         """After each batch, without waiting for the GPU: the epoch's loss sum and its first batch whose loss is not
-        finite, kept on the device, checked every PRINT_EVERY batches (where the lesson prints its loss and waits for
-        the device anyway) and as the epoch ends; then the step timed."""
+        finite, kept on the device, checked every PRINT_EVERY batches and as the epoch ends; then the step timed."""
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)
@@ -306,12 +303,13 @@ class RunKeeper:
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
         self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
         self.batch_in_epoch += 1  # trained: a Ctrl-C from here counts it
-        if self.batch_in_epoch % PRINT_EVERY == 1:  # after the lesson's batch_idx 0, 300, ..., where it prints (and
-            self.check_loss()  # waits for the device); the epoch's end checks too
+        if self.batch_in_epoch % PRINT_EVERY == 1:  # counted from 1: after batch_idx 0, 300, ..., where the lesson
+            self.check_loss()  # prints (and waits for the device); the epoch's end checks too
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
-        """Images and seconds of each epoch's steps but its first, from the WARMUP_STEPS-th, where GPU peaks start."""
+        """Times each epoch from the end of its first optimizer step (from this session's WARMUP_STEPS-th on: start-up
+        and compilation untimed) to its last batch: its images and seconds. The GPU's peak counts from that step too."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -322,7 +320,6 @@ class RunKeeper:
                 self.timed_seconds += self.now() - self.timed_since
         elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
             self.timed_since = self.now()
-            self.epoch_images = 0
             if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
 
@@ -335,7 +332,7 @@ class RunKeeper:
     def check_loss(self):
         """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
         first = torch.where(self.first_bad >= 0, self.first_bad, float("inf"))  # this process's first bad batch
-        bad = first if self.world_size == 1 else reduced(self.fabric, first.clone(), "min")
+        bad = reduced(self.fabric, first.clone(), "min")
         if bad < float("inf"):
             value = f"{self.epoch_loss:g}" if first == bad else "not finite in another process"
             where = f"at epoch {len(self.train_loss) + 1}, batch {int(bad)}"
@@ -347,9 +344,7 @@ class RunKeeper:
         """After an epoch's validation: its figures, and the checkpoint to continue from."""
         self.check_loss()
         assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
-        mean_loss = self.epoch_loss / self.batch_in_epoch
-        if self.world_size > 1:
-            mean_loss = reduced(self.fabric, mean_loss, "mean")
+        mean_loss = reduced(self.fabric, self.epoch_loss / self.batch_in_epoch, "mean")
         self.train_loss.append(round(float(mean_loss), 6))
         self.val_acc.append(val_acc)
         self.lr.append(self.epoch_lr)
@@ -363,11 +358,8 @@ class RunKeeper:
 
     def timed_totals(self):
         """All processes' timed images (a tensor-parallel group's once), the slowest's seconds, and those before."""
-        images = float(self.timed_images)
-        seconds = self.timed_seconds
-        if self.world_size > 1:
-            images = float(reduced(self.fabric, images, "sum")) * self.args.data_parallel / self.world_size
-            seconds = float(reduced(self.fabric, seconds, "max"))
+        images = float(reduced(self.fabric, self.timed_images, "sum")) * self.args.data_parallel / self.world_size
+        seconds = float(reduced(self.fabric, self.timed_seconds, "max"))
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
@@ -416,14 +408,13 @@ class RunKeeper:
 
     def load_last_checkpoint(self):
         """latest.json's checkpoint into the model, optimizer and what else it keeps; returns torch's RNG state then."""
-        latest = read_json(self.folder / LATEST) or {}
+        latest = read_json(self.folder / LATEST)
         path = self.folder / str(latest.get("checkpoint"))
-        # what to restore in place (Fabric's load fills progress and rng in from the checkpoint)
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {f"kept_{i}": kept for i, kept in enumerate(self.kept_too)}
         try:
             if self.fabric:
-                self.fabric.load(path, state)  # restores the model, optimizer and what else it keeps, in place
+                self.fabric.load(path, state)  # the model, optimizer and the rest in place; progress and rng filled in
             else:
                 saved = torch.load(path, map_location="cpu", weights_only=True)
                 for key in [k for k in state if k not in ("progress", "rng")]:
@@ -452,10 +443,8 @@ class RunKeeper:
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
-        peak = max(self.peak_gb, peak_memory_gb(args.accelerator))
-        waited = waiting_share(self.cpu_at_start)
-        if self.world_size > 1:
-            peak, waited = map(float, reduced(self.fabric, torch.tensor([peak, waited], dtype=torch.float64), "max"))
+        this_process = [max(self.peak_gb, peak_memory_gb(args.accelerator)), waiting_share(self.cpu_at_start)]
+        peak, waited = map(float, reduced(self.fabric, torch.tensor(this_process, dtype=torch.float64), "max"))
         # every process takes part where the model is sharded; process 0 gets the whole state dict
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
@@ -466,7 +455,7 @@ class RunKeeper:
         measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
         # torch.compile's wrapper, by the name of its class (torch keeps it in a private module)
         compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
-        self.agree(self.write_the_results, state, build(args, self.fabric, compiled, measured))
+        self.agree(self.write_the_results, state, build(args, self.precision, compiled, measured))
         self.finished = True
 
     def write_the_results(self, state, record):
@@ -577,8 +566,8 @@ def explain(error, args, rank, world_size, last_checkpoint):
     """(one line, exit code) for an error a user can act on (flags-records-exit-codes.md), or None."""
     reason = first_line(error) or type(error).__name__
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
-        while getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
-            error = getattr(error, "inner_exception", None) or error.__cause__
+        while wrapped := getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
+            error = wrapped
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
             needs = "a C++ compiler (install g++)"
@@ -589,8 +578,7 @@ def explain(error, args, rank, world_size, last_checkpoint):
     if isinstance(error, torch.OutOfMemoryError):
         oom = f"the GPU ran out of memory at --batch-size {args.batch_size} ({first_line(reason, 160)})"
         return f"error: {oom}: try a smaller --batch-size.", 1
-    lost = lost_peer(world_size, error)
-    if lost:
+    if lost := lost_peer(world_size, error):
         peer = re.search(r"\[([^\]]+)\]:(\d+)", str(error))
         which = f" (the one at {peer.group(1)}:{peer.group(2)})" if peer else ""
         if last_checkpoint:
@@ -625,11 +613,10 @@ class FolderLock:
                 if err.errno in NO_LOCKS:  # its file system takes none: the run goes on unguarded (start says so)
                     self.unguarded = err.strerror
                     break
-                holder = os.pread(self.fd, 400, 0).decode(errors="replace").strip()
                 os.close(self.fd)
                 self.release_folders()
                 if isinstance(err, BlockingIOError):  # another run holds it
-                    fail(in_progress(folder, holder))
+                    fail(in_progress(folder))
                 raise
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
                 break  # not a .lock that the run before removed as this one opened it
@@ -654,7 +641,10 @@ class FolderLock:
 
 
 def reduced(fabric, value, op):
-    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given)."""
+    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given); in a run of one
+    process, `value` itself."""
+    if fabric is None or fabric.world_size == 1:
+        return value
     return torch.as_tensor(fabric.all_reduce(torch.as_tensor(value), reduce_op=op))
 
 
@@ -676,8 +666,7 @@ def cpu_times():
 def waiting_share(since):
     """The share of its ready time since `since` (cpu_times) the thread waited for a core."""
     ran_now, waited_now = cpu_times()
-    ran = ran_now - since[0]
-    waited = waited_now - since[1]
+    ran, waited = ran_now - since[0], waited_now - since[1]
     return waited / (waited + ran) if waited + ran > 0 else 0.0
 
 

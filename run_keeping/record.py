@@ -14,15 +14,14 @@ from pathlib import Path
 from run_keeping.config import NO_LOCKS, fail
 from run_keeping.device import device_name
 
-VERSION = 5  # 1: "steps" for batches_loaded; 2: 65 fields; 3: tensor_parallel_size; 4: settings by dest;
-# 5: settings by flag, data_parallel, precision_asked
+VERSION = 5  # 5: settings by flag, data_parallel, precision_asked (reading.upgrade says what each earlier lacks)
 
 
-def build(args, fabric, compiled, measured):
-    """A finished run's record: its settings, whether torch.compile wrapped the model, what the keeper measured."""
+def build(args, ran, compiled, measured):
+    """A finished run's record: its settings, the precision that ran, whether torch.compile wrapped the model, what
+    the keeper measured."""
     import torch
 
-    ran = fabric.strategy.precision.precision if fabric else "32-true"
     record = {"record_version": VERSION, "script": args.script, "kind": args.kind or "full"}
     record |= {"accelerator": args.accelerator, "device_name": device_name(args.accelerator)}
     record |= {"devices": args.devices, "world_size": args.world_size, "data_parallel": args.data_parallel}
@@ -105,8 +104,7 @@ def why_unloadable(error):
     """What torch.load found wrong with a file, without torch's advice of weights_only=False (unsafe)."""
     text = str(error)
     if "Weights only load failed" in text:
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
-        if found:
+        if found := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
             return f"it holds a {found.group(1)} object, not only tensors"
         return "it is not a file that torch.save wrote"
     if "failed finding central directory" in text or "PytorchStreamReader" in text:

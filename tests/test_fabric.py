@@ -178,7 +178,8 @@ def test_bf16_falls_back_on_a_gpu_without_bf16(monkeypatch, script):
     said = read_script(ROOT / script)
     assert said["precision"] == "bf16-mixed" and precision_that_runs("bf16-mixed", "cuda") == "32-true"
     assert precision_that_runs("bf16-true", "cuda") == "32-true" and precision_that_runs("32-true", "cuda") == "32-true"
-    line = fallback_line(argparse.Namespace(precision_asked="bf16-mixed", accelerator="cuda"), "32-true")
+    fell_back = argparse.Namespace(precision_asked="bf16-mixed", precision="32-true", accelerator="cuda")
+    line = fallback_line(fell_back, "32-true")
     assert line == "This GPU (Tesla T4) has no native bfloat16: running 32-true instead of bf16-mixed."
     monkeypatch.setenv("LT_PRECISION", "32-true")
     made = ModelParallelStrategy(parallelize.fsdp_each_encoder_block, 1, 1) if "fsdp" in script else "auto"

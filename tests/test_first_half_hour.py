@@ -53,6 +53,23 @@ def test_fabric_run_is_refused_in_one_line(monkeypatch, capsys):
     assert "run it with python or torchrun" in err
 
 
+def test_fabric_arguments_exported_in_the_shell_are_refused_in_one_line(monkeypatch, capsys):
+    """Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments, silently outside `fabric run`: one exported
+    in the shell is refused before any work. The LT_PRECISION a run hands the processes Lightning starts, the one
+    each decides itself, is not."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # the fallback's 32-true, on any CPU
+    for exported in ("LT_ACCELERATOR=cuda", "LT_PRECISION=bf16-mixed", "LT_DEVICES=4"):
+        monkeypatch.setenv(*exported.split("="))
+        with pytest.raises(SystemExit) as stop:
+            parse_as("04_fabric-vit-mixed-precision.py", "--smoke")
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"{exported} in the environment would set Fabric's arguments over this lesson's flags" in err
+        monkeypatch.delenv(exported.split("=")[0])
+    monkeypatch.setenv("LT_PRECISION", "32-true")
+    assert parse_as("04_fabric-vit-mixed-precision.py", "--smoke").precision == "32-true"
+
+
 @pytest.mark.slow
 def test_a_run_writes_under_the_folder_it_runs_from_and_leaves_no_empty_folder(smoke_runs):
     """The fixture runs each script from a scratch folder: the record, the model and nothing

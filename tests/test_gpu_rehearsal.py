@@ -188,6 +188,7 @@ def test_a_bare_loop_compiles_in_its_lessons_mode(script, monkeypatch, capsys):
         asked.append(options.get("mode"))
         return model
     monkeypatch.setattr(torch, "compile", watched)
+    monkeypatch.setenv("LT_PRECISION", "32-true")  # the bare loop's, in its own process: taken away after the test
     record = {"script": script, "precision": "32-true", "world_size": 1, "data_parallel": 1, "settings": {},
               "batch_size": 4, "micro_batches": 1, "compile_mode": COMPILED[script]}
     spec = throughput.bare_spec(record)

@@ -77,10 +77,10 @@ def run_here(script, *flags, stop_at=None):
 def as_found(monkeypatch):
     """as_found(script): the interpreter as it is once the script's libraries are imported (what they change as they
     load, once, is theirs), with the test's own Ctrl-C and SIGTERM handlers (a signal a run does not own fails the
-    test, never the suite) and variables a run sets already set."""
+    test, never the suite), a variable a run's launcher sets already set, and none that sets Fabric's arguments."""
     found = {signum: signal.signal(signum, escaped) for signum in (signal.SIGINT, signal.SIGTERM)}
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # Lightning's launcher sets it where it is not set
-    monkeypatch.setenv("LT_PRECISION", "as-found")  # a run gives Fabric its precision here: set back, not removed
+    monkeypatch.delenv("LT_PRECISION", raising=False)  # a run gives Fabric its precision here: removed again
 
     def after_importing(script, *flags):
         """The interpreter once the script's imports ran, and with `flags` a whole run of it (the libraries a run
@@ -90,7 +90,7 @@ def as_found(monkeypatch):
         if flags:
             assert run_here(script, *flags, "--checkpoint-dir", "warm-up", "--save-model", "warm-up.pt")[0] == 0
         changed = {name for name, value in before.items() if os.environ.get(name) != value}
-        assert not changed, f"the run left {changed} changed"  # LT_PRECISION among them: set back, not kept
+        assert not changed, f"the run left {changed} changed"
         return interpreter()
     try:
         yield after_importing
@@ -190,6 +190,15 @@ def test_sys_exit_with_words_in_a_run_is_its_line_and_1(as_found, tmp_path):
     code, printed = run_here(script, "--smoke")
     assert code == 1 and printed[-1] == "17_your-lesson.py: why it stopped\n", printed
     assert not any("Traceback" in line for line in printed) and interpreter() == as_found
+
+
+def test_a_variable_a_run_changes_is_set_back_as_found(as_found, tmp_path):
+    """A variable that was set before the run (OMP_NUM_THREADS, as the fixture sets it) and that the run changes is
+    set back to its value, not removed; one the run adds is removed."""
+    script = a_run_that("sys.modules['os'].environ.update(OMP_NUM_THREADS='7', ADDED_BY_THE_RUN='1')", tmp_path)
+    as_found = as_found(script)
+    assert run_here(script, "--smoke")[0] == 0 and interpreter() == as_found
+    assert os.environ["OMP_NUM_THREADS"] == "1" and "ADDED_BY_THE_RUN" not in os.environ
 
 
 def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path):

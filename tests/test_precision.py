@@ -189,6 +189,8 @@ def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     ('L.Fabric(accelerator="cpu", **dict(precision="bf16-mixed"))', None),
     ('L.Fabric("cpu", "auto", 1, 1, "16-mixed")', None),  # precision is Fabric's fifth argument
     ('L.Fabric(accelerator="cpu", precision=PRECISION)', None),
+    ('L.Fabric(accelerator="cpu", precision=16)', None),  # Fabric takes the number too: not a text, not read
+    ('L.Fabric(accelerator="cpu", precision="bf16")', "bf16"),  # Lightning's short name for bf16-mixed
 ])
 def test_only_a_literal_precision_is_read_from_the_script(tmp_path, call, said):
     """The precision a script asks for is read from its Fabric(...) only where it is a literal keyword; given by
@@ -199,3 +201,21 @@ def test_only_a_literal_precision_is_read_from_the_script(tmp_path, call, said):
     script = tmp_path / "17_your-lesson.py"
     script.write_text(f"import lightning as L\n\nfabric = {call}\n")
     assert read_script(script)["precision"] == said
+
+
+def test_only_a_precision_that_computes_in_bfloat16_falls_back_and_only_a_fallback_is_said(monkeypatch):
+    """On a CPU without native bfloat16 (oneDNN capped at AVX2): each bf16 precision, by its short name too, and
+    16-mixed, which Lightning runs as bf16-mixed on a CPU, run 32-true, and the line says it in the words the script
+    used; one that does not compute in bfloat16 runs as asked. Where nothing fell back, nothing is said of a
+    fallback, whatever Fabric made of the name (16-mixed run as bf16-mixed on a CPU with the units)."""
+    from run_keeping.device import fallback_line, precision_that_runs
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    for asked in ("bf16-mixed", "bf16-true", "bf16", "16-mixed"):
+        assert precision_that_runs(asked, "cpu") == "32-true", asked
+        fell_back = argparse.Namespace(precision_asked=asked, precision="32-true", accelerator="cpu")
+        assert f"running 32-true instead of {asked}, since" in fallback_line(fell_back, "32-true")
+    for asked in ("32-true", "64-true", None):
+        assert precision_that_runs(asked, "cpu") == asked
+    assert precision_that_runs("16-mixed", "cuda") == "16-mixed"  # a GPU's float16: no bfloat16 in it
+    as_asked = argparse.Namespace(precision_asked="16-mixed", precision="16-mixed", accelerator="cpu")
+    assert fallback_line(as_asked, "bf16-mixed") is None
