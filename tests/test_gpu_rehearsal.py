@@ -153,12 +153,13 @@ def test_every_peak_lookup_answers(name, gpu):
 
 
 @pytest.mark.slow
-def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys):
+def test_every_bare_loop_a_record_asks_for_is_made(every_kind_of_record, capsys, monkeypatch):
     """benchmark.py's bare loop of each configuration the scripts' records describe: its
     strategy and parallelize function (15's offload), optimizer (14's SGD, 09's AdamW),
     micro-batches and checkpointing are each made from lessons.csv's words; the one-process ones
     run here, 4 steps each (the others would start processes: their strategy is made)."""
     import argparse
+    monkeypatch.setenv("LT_PRECISION", "32-true")  # each bare loop's, in its own process: taken away after the test
     specs = {throughput.bare_key(r): throughput.bare_spec(r) for r in every_kind_of_record}
     assert {s["optimizer"] for s in specs.values()} >= {"Adam", "AdamW", "SGD"}
     assert {s["micro_batches"] for s in specs.values()} >= {1, 4} and any(s["checkpointing"] for s in specs.values())
