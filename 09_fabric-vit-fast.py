@@ -170,7 +170,7 @@ if __name__ == "__main__":
 
         # 3 Finetuning, 4 evaluation
         keeper.keep_in_checkpoints(scheduler)
-        keeper.resume(model, optimizer, train_data)
+        keeper.before_training(model, optimizer, train_data)
         train_time = train(args.epochs, model, optimizer, scheduler, train_data, val_data, fabric, keeper)
         test_acc = evaluate(model, test_data, fabric.device)
         keeper.finish(train_time, test_acc, model)

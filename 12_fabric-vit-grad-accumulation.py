@@ -101,7 +101,7 @@ if __name__ == "__main__":
         #########################################
         ### 3 Finetuning
         #########################################
-        keeper.resume(model, optimizer, train_loader)  # before training: what each checkpoint keeps; with --resume, restored from the last one
+        keeper.before_training(model, optimizer, train_loader)  # what each checkpoint keeps; with --resume, restored from the last one
         train_time = train(args.epochs, model, optimizer, train_loader, val_loader, device, keeper, fabric)  # [03] instead of (..., keeper)
 
         #########################################

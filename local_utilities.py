@@ -128,16 +128,17 @@ def build_vit(weights, args):
     import torchvision.models as vits
 
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
-    weights = None if args.synthetic else vits.get_model_weights(vit).verify(weights)  # --smoke: whether any are asked
+    pretrained = weights is not None and not args.synthetic  # --smoke: the small ViT's own weights where these are
     init = "random init"
     if args.smoke:
         model = smoke_vit()
-        if weights is not None:
+        if pretrained:
             model.load_state_dict(torch.load(SMOKE_WEIGHTS, map_location="cpu", weights_only=True))
             init = f"pretrained on printed digits, {SMOKE_WEIGHTS.parent.name}/{SMOKE_WEIGHTS.name}"
-    elif weights is None:
+    elif not pretrained:
         model = vits.get_model(vit, weights=None)
     else:
+        weights = vits.get_model_weights(vit).verify(weights)  # the weights' enum, which has their url
         try:  # from torch's hub cache, or downloaded
             model = vits.get_model(vit, weights=weights)
             init = f"ImageNet-pretrained, {weights}"

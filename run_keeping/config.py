@@ -93,9 +93,8 @@ def whole_number(least, most=None):
 
 
 def read_script(path):
-    """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (Fabric's
-    32-true where it names none; None where it is not a text literal, as 16 or a name: not known, it runs as given),
-    its torch.compile mode (None: it compiles nothing) and its --help."""
+    """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (32-true
+    where it names none; None, not known, where not written as text), its torch.compile mode (None: none), --help."""
     said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
@@ -107,8 +106,8 @@ def read_script(path):
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
         if name.split(".")[-1] == "Fabric" and "precision" in keywords:
             said["precision"] = text_literal(keywords["precision"])
-        elif name.split(".")[-1] == "Fabric" and (None in keywords or len(call.args) > 4):
-            said["precision"] = None  # perhaps given in **options, or as the fifth argument, where Fabric takes it
+        elif name.split(".")[-1] == "Fabric" and None in keywords:
+            said["precision"] = None  # perhaps in its **options (Fabric takes its arguments by keyword only)
         elif name == "torch.compile":  # its mode, where a text literal gives it
             said["compile_mode"] = text_literal(keywords.get("mode")) or "default"
     tags = own_tags(text)
@@ -269,6 +268,7 @@ class LessonParser(Parser):
         """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go together,
         processes and sizes, the lesson's check=, the machine, places, a prompt, the launch, the checkpoint folder."""
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
+        # CIFAR-10's flags have no default (None: not given; --num-workers' 4 is set below), so 0 counts as given
         data_flags = " and ".join(f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) is not None)
         if data_flags and kind:
             self.error(f"{data_flags}: a {kind} run reads no CIFAR-10 (its data are made in memory); drop it")
@@ -286,7 +286,7 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        # the precision that runs; as asked where the machine is refused below (a GPU torch cannot use is not asked)
+        # as asked where the machine is refused below (after check=): a GPU torch cannot use is not asked of bfloat16
         given.precision = said["precision"]
         if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
@@ -462,8 +462,7 @@ def settle_sizes(given, parser, kind, places):
 
 
 def check_launch(given, takes_devices):
-    """One line, exit 2, where the processes started are not the run the flags ask for, or cannot be started here:
-    all stop, the first says why."""
+    """One line, exit 2, where the processes started are not the flags' run or cannot start here; the first says why."""
     if takes_devices and (hasattr(sys, "ps1") or sys.flags.interactive):  # at a prompt, as Lightning tells one
         launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
         fail(f"this lesson's processes are started by {launcher}: run it from a shell: {invoked(*sys.argv[1:])}")
@@ -527,6 +526,8 @@ def read_the_checkpoint_folder(given):
     if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
         as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
+        if (latest.get("settings") or {}).get("precision") != given.precision:  # the device's: no flag changes it
+            as_started = "continue it on a device that runs its precision"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart
 

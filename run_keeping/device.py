@@ -75,9 +75,8 @@ def native_bf16(device_type):
 
 
 def precision_that_runs(asked, accelerator):
-    """32-true where `asked` computes in bfloat16 on a device without native bfloat16 (emulation is many times slower):
-    a bf16 precision, or 16-mixed on a CPU, which Lightning runs as bf16-mixed ("AMP with fp16 is not supported on
-    CPU"). Otherwise, and where `asked` is None (not known), as asked."""
+    """32-true where `asked` computes in bfloat16 (bf16..., or 16-mixed on a CPU, which Lightning runs as bf16-mixed:
+    "AMP with fp16 is not supported on CPU") on a device without native bfloat16; otherwise, or None, as asked."""
     cpu_16 = accelerator == "cpu" and asked in ("16-mixed", "16")
     return "32-true" if asked and (asked.startswith("bf16") or cpu_16) and not native_bf16(accelerator) else asked
 
@@ -99,8 +98,9 @@ def device_name(accelerator):
 
 def fallback_line(args, ran):
     """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
-    if args.precision == args.precision_asked or ran != args.precision:  # none decided, or not taken (a Fabric made
-        return None  # before the run's block)
+    # none decided; or not taken, by a Fabric made before the run's block, which set LT_PRECISION
+    if args.precision == args.precision_asked or ran != args.precision:
+        return None
     instead = f"running {ran} instead of {args.precision_asked}"
     if args.accelerator == "cuda":
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: {instead}."

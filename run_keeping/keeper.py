@@ -48,8 +48,8 @@ WHAT_RUNS = {
 
 
 class RunKeeper:
-    """The lesson calls start() (after fabric.launch()), keep_in_checkpoints() for a scheduler or an average, resume()
-    before training, batch_done() after each batch, checkpoint() after each epoch and finish() at the end."""
+    """The lesson calls start() (after fabric.launch()), keep_in_checkpoints() for a scheduler or an average,
+    before_training(), batch_done() after each batch, checkpoint() after each epoch and finish() at the end."""
 
     def __init__(self, args):
         self.args = args
@@ -59,13 +59,13 @@ class RunKeeper:
         self.fabric: Any = None
         self.rank = 0
         self.world_size = 1
-        self.precision = "32-true"  # the precision that runs, as Fabric has it (start)
+        self.precision_ran = "32-true"  # Fabric's (start): args.precision, unless Fabric was made before the block
         # how the run ends: the signal that stopped it, one noted while it must not, whether the run finished
         self.signum = signal.SIGINT
         self.noting = False
         self.noted: signal.Signals | None = None
         self.finished = False
-        # what resume() is handed, and what else each checkpoint keeps (keep_in_checkpoints)
+        # what before_training() is handed, and what else each checkpoint keeps (keep_in_checkpoints)
         self.model: Any = None
         self.optimizer: Any = None
         self.init = "random init"  # what the model starts from (build_vit's note)
@@ -96,7 +96,7 @@ class RunKeeper:
         self.epoch_loss: torch.Tensor | None = None
         self.first_bad = torch.tensor(-1.0)
         self.epoch_lr = 0.0
-        self.timed_since: float | None = None  # the epoch's timer, started at its WARMUP_STEPS-th step
+        self.timed_since: float | None = None  # the epoch's timer, from its first optimizer step's end (time_the_step)
         self.epoch_images = 0
 
     def __enter__(self):
@@ -105,8 +105,8 @@ class RunKeeper:
                 self.set_up()
             return self
         except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, all undone, and
-            self.__exit__(KeyboardInterrupt, stop, None)  # SystemExit(130 or 143) raised, so
-            raise  # this line is not reached
+            self.__exit__(KeyboardInterrupt, stop, None)  # says its line, undoes all, raises SystemExit(130 or 143),
+            raise  # so this line is not reached
         except BaseException:
             self.noting = True  # its changes undone whole
             self.undo.close()
@@ -119,9 +119,8 @@ class RunKeeper:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored signals stay ignored
                 self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
                 signal.signal(signum, self.on_signal)
-        # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK, OMP_NUM_THREADS ...), and
-        # LT_PRECISION, the precision that runs (device.precision_that_runs), which Fabric takes over its argument, as
-        # `fabric run --precision` sets it (lightning/fabric/connector.py; tests/test_precision.py runs it)
+        # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK ...), and LT_PRECISION,
+        # the precision that runs, which Fabric takes over its argument, as from `fabric run` (fabric/connector.py)
         self.undo.callback(put_back_environment, dict(os.environ))
         if self.args.precision:
             os.environ["LT_PRECISION"] = self.args.precision
@@ -248,10 +247,10 @@ class RunKeeper:
             self.fabric = fabric
             self.rank = fabric.global_rank
             self.world_size = fabric.world_size
-            self.precision = fabric.strategy.precision.precision
+            self.precision_ran = fabric.strategy.precision.precision
         self.agree(self.take_the_folder)
         print(opening_line(fabric, self.rank, self.world_size), flush=True)
-        self.say(fallback_line(self.args, self.precision))
+        self.say(fallback_line(self.args, self.precision_ran))
         if self.args.restart:
             self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
@@ -272,8 +271,9 @@ class RunKeeper:
         """What checkpoints keep too, restored in order by --resume: anything with state_dict(), load_state_dict()."""
         self.kept_too += kept
 
-    def resume(self, model, optimizer, train_loader):
-        """Before training: says what runs; with --resume or a restart, loads the last checkpoint, sets the loader."""
+    def before_training(self, model, optimizer, train_loader):
+        """Takes what checkpoints keep, says what runs; with --resume or a restart, loads the last checkpoint and sets
+        the loader's order where it stopped; then starts the keeper's clock (progress() times by it)."""
         self.model = model
         self.optimizer = optimizer
         self.batches_per_epoch = len(train_loader)
@@ -363,7 +363,8 @@ class RunKeeper:
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
-        """What a checkpoint keeps of the run's figures and timing (its time by this clock: train()'s is not back)."""
+        """What a checkpoint keeps of the figures and timing, the earlier sessions' too (by the keeper's clock: the
+        lesson's train() has not returned)."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
         figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
@@ -421,8 +422,8 @@ class RunKeeper:
                     state[key].load_state_dict(saved[key])
                 state |= {"progress": saved["progress"], "rng": saved["rng"]}
         except Exception as err:  # a truncated or foreign file fails in many ways
-            why = why_unloadable(err)
-            if "damaged" in why or "not a file" in why:
+            why, whole = why_unloadable(err)
+            if not whole:
                 fail(f"--resume: cannot load {path} ({why}); {start_over(self.args)}")
             as_started = resume_command(latest.get("flags"))
             other = f"it was made by another script or version; continue it as started: {as_started}"
@@ -438,14 +439,14 @@ class RunKeeper:
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        self.noting = True  # all or nothing: a signal waits until the files are written, and is said as the run ends
+        self.noting = True  # for good: a signal waits until the files are written, and __exit__ says it as the run ends
         args = self.args
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
         images, seconds = self.timed_totals()
         this_process = [max(self.peak_gb, peak_memory_gb(args.accelerator)), waiting_share(self.cpu_at_start)]
         peak, waited = map(float, reduced(self.fabric, torch.tensor(this_process, dtype=torch.float64), "max"))
-        # every process takes part where the model is sharded; process 0 gets the whole state dict
+        # every process takes part where the model is sharded; process 0 gets the whole state dict (unprefixed)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
         self.say(*closing_lines(train_time_s, peak, images_per_s, test_acc, self.checkpoint_s, waited))
@@ -455,7 +456,7 @@ class RunKeeper:
         measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
         # torch.compile's wrapper, by the name of its class (torch keeps it in a private module)
         compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
-        self.agree(self.write_the_results, state, build(args, self.precision, compiled, measured))
+        self.agree(self.write_the_results, state, build(args, self.precision_ran, compiled, measured))
         self.finished = True
 
     def write_the_results(self, state, record):
@@ -481,12 +482,11 @@ class RunKeeper:
 
     def interrupted_line(self, signum):
         name = signal.Signals(signum).name
-        args = self.args
         if self.finished:
-            where = f"its record is in {args.results} and its model in {args.save_model}"
+            where = f"its record is in {self.args.results} and its model in {self.args.save_model}"
             return f"interrupted ({name}) after the run finished: {where}."
         if not self.started:  # training has not begun
-            if args.resume or args.restart:
+            if self.args.resume or self.args.restart:
                 kept = f"{self.folder} is as it was: continue with: {resume_command()}"
                 return f"interrupted ({name}) while starting; {kept}"
             return f"interrupted ({name}) while starting; nothing was written."
@@ -497,7 +497,7 @@ class RunKeeper:
         elif self.batch_in_epoch:
             losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
         if self.last:
-            held = f"the last checkpoint, {self.last}, holds {self.epochs_kept} of {args.epochs} epochs{losing}"
+            held = f"the last checkpoint, {self.last}, holds {self.epochs_kept} of {self.args.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
         return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
 
@@ -505,7 +505,7 @@ class RunKeeper:
 def latest_json(args, name, epochs_done):
     """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
     launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    settings = {key: getattr(args, key) for key in SETTINGS} | args.own
+    settings = {key: getattr(args, key) for key in SETTINGS} | args.own  # the record's "settings": the own alone
     made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
     return {"checkpoint": name, "epochs_done": epochs_done} | made | {"launch": launch}
 
@@ -641,8 +641,7 @@ class FolderLock:
 
 
 def reduced(fabric, value, op):
-    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given); in a run of one
-    process, `value` itself."""
+    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given); alone, `value`."""
     if fabric is None or fabric.world_size == 1:
         return value
     return torch.as_tensor(fabric.all_reduce(torch.as_tensor(value), reduce_op=op))

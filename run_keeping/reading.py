@@ -213,7 +213,7 @@ def load_model_file(model, path):
     except FileNotFoundError:
         fail(f"no model file {path}: a finished training run writes one (see --save-model).")
     except Exception as err:
-        fail(f"{path} is not a readable model file: {why_unloadable(err)}.")
+        fail(f"{path} is not a readable model file: {why_unloadable(err)[0]}.")
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         fail(f"{path} is not a model file of this suite (not a state dict of tensors).")
     own = model.state_dict()

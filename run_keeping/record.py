@@ -101,15 +101,18 @@ def write_atomically(path, data, then="nothing else was changed"):
 
 
 def why_unloadable(error):
-    """What torch.load found wrong with a file, without torch's advice of weights_only=False (unsafe)."""
+    """(what torch.load found wrong with a file, without torch's advice of weights_only=False (unsafe); whether the
+    file is whole: one torch.save wrote, whose contents do not fit, not a file gone, cut short or of another kind)."""
     text = str(error)
+    if isinstance(error, FileNotFoundError):
+        return "it is not there", False
     if "Weights only load failed" in text:
         if found := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
-            return f"it holds a {found.group(1)} object, not only tensors"
-        return "it is not a file that torch.save wrote"
+            return f"it holds a {found.group(1)} object, not only tensors", True
+        return "it is not a file that torch.save wrote", False
     if "failed finding central directory" in text or "PytorchStreamReader" in text:
-        return "it is cut short or damaged (not a whole file that torch.save wrote)"
-    return f"{type(error).__name__}: {first_line(text)}"
+        return "it is cut short or damaged (not a whole file that torch.save wrote)", False
+    return f"{type(error).__name__}: {first_line(text)}", True
 
 
 def first_line(text, limit=300):

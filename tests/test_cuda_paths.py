@@ -129,7 +129,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         keeper = RunKeeper(args)
         keeper.__enter__()  # as the lesson's `with` block does; left below as a run that got to its end
         keeper.start()
-        keeper.resume(model, optimizer, train_loader=[None] * steps)
+        keeper.before_training(model, optimizer, train_loader=[None] * steps)
         return keeper, model, optimizer
 
     keeper, model, optimizer = keeper_and_model()

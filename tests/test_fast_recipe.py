@@ -178,7 +178,7 @@ def test_the_loop_reads_nothing_back_per_step(fast, tmp_path, monkeypatch):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fast["warmup_then_cosine"](2 * len(train)))
         optimizer = fabric.setup_optimizers(optimizer)
         keeper.keep_in_checkpoints(scheduler)
-        keeper.resume(model, optimizer, train)
+        keeper.before_training(model, optimizer, train)
         with CountReads():
             fast["train"](2, model, optimizer, scheduler, train, val, fabric, keeper)
     assert len(train) == 12  # 24 steps: a read a step would be more than the handful below

@@ -187,15 +187,15 @@ def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     ('L.Fabric(accelerator="cpu", precision="bf16-true")', "bf16-true"),
     ('L.Fabric(accelerator="cpu")', "32-true"),  # Fabric's own default
     ('L.Fabric(accelerator="cpu", **dict(precision="bf16-mixed"))', None),
-    ('L.Fabric("cpu", "auto", 1, 1, "16-mixed")', None),  # precision is Fabric's fifth argument
     ('L.Fabric(accelerator="cpu", precision=PRECISION)', None),
     ('L.Fabric(accelerator="cpu", precision=16)', None),  # Fabric takes the number too: not a text, not read
     ('L.Fabric(accelerator="cpu", precision="bf16")', "bf16"),  # Lightning's short name for bf16-mixed
 ])
 def test_only_a_literal_precision_is_read_from_the_script(tmp_path, call, said):
-    """The precision a script asks for is read from its Fabric(...) only where it is a literal keyword; given by
-    position, through ** or by a name, it is not known (None): no fallback is set over it, and what the script
-    asks for runs (a contributor's copy that moves the precision into a dict keeps it)."""
+    """The precision a script asks for is read from its Fabric(...) only where it is a keyword written as text; given
+    through **, by a name or as a number, it is not known (None): no fallback is set over it, and what the script
+    asks for runs (a contributor's copy that moves the precision into a dict keeps it). Fabric takes its arguments
+    by keyword only."""
     from run_keeping.config import read_script
 
     script = tmp_path / "17_your-lesson.py"

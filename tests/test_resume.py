@@ -343,7 +343,7 @@ def resume_in_process(args, model, optimizer, train_loader):
     """A keeper entered, started and resumed in this process, in a `with` block as a script's."""
     with RunKeeper(args) as keeper:
         keeper.start()
-        keeper.resume(model, optimizer, train_loader=train_loader)
+        keeper.before_training(model, optimizer, train_loader=train_loader)
 
 
 def started(args, fabric=None):
@@ -365,7 +365,7 @@ def keeper_after_steps(args, losses, model=None, optimizer=None):
     if model is None:
         model, optimizer = model_and_optimizer(args)
     keeper = started(args)
-    keeper.resume(model, optimizer, train_loader=[None] * len(losses))
+    keeper.before_training(model, optimizer, train_loader=[None] * len(losses))
     for loss in losses:
         keeper.batch_done(torch.tensor(loss), batch_size=4)
     return keeper, model, optimizer
@@ -388,7 +388,7 @@ def test_the_loss_guard_looks_where_the_lesson_prints(parse, capsys, bad_at, sto
     lesson waits for the device anyway: a loss that is not finite stops the run there, naming its batch."""
     model, optimizer = model_and_optimizer(parse())
     keeper = started(parse())
-    keeper.resume(model, optimizer, train_loader=[None] * 700)
+    keeper.before_training(model, optimizer, train_loader=[None] * 700)
     with pytest.raises(SystemExit) as exit_info:
         for batch_idx in range(700):
             keeper.batch_done(torch.tensor(float("nan") if batch_idx == bad_at else 1.0), batch_size=4)
@@ -530,6 +530,8 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     ({"settings": {"precision": "bf16-mixed"}}, ["precision bf16-mixed (now 32-true)"]),  # made where bf16 ran
 ])
 def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, meta, words):
+    """Refused in one line that names the difference and the way on: the command as it started, or, where the
+    precision differs, which is the device's and no flag's, a device that runs it."""
     ck = str(tmp_path / "ck")
     write_checkpoint(parse("--checkpoint-dir", ck), **meta)
     before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}
@@ -538,6 +540,9 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert all(w in err for w in words), err
+    the_device_s = "precision" in meta.get("settings", {})
+    assert ("; continue it as started: python" in err) != the_device_s, err
+    assert ("; continue it on a device that runs its precision;" in err) == the_device_s, err
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
@@ -554,6 +559,11 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert "cannot load" in capsys.readouterr().err
     assert checkpoint.read_bytes() == corrupt
+    checkpoint.unlink()  # the file latest.json names is gone: as damaged, never "made by another script"
+    with pytest.raises(SystemExit) as exit_info:
+        resume_in_process(args, model, optimizer, train_loader=[])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "(it is not there); start over with: rm -rf" in err, err
     (ck / LATEST).write_text("{not json")
     with pytest.raises(SystemExit):
         parse("--resume", "--checkpoint-dir", str(ck))
@@ -606,7 +616,7 @@ def test_a_torchrun_restart_continues_its_run(parse, tmp_path, monkeypatch, caps
         return
     args = parse()
     keeper = started(args)
-    keeper.resume(*model_and_optimizer(args), train_loader=[None] * 4)
+    keeper.before_training(*model_and_optimizer(args), train_loader=[None] * 4)
     assert keeper.start_epoch == 1  # epoch 2 is next
     out = capsys.readouterr().out
     assert f"torchrun restarted its workers (restart 1): continuing the run in {args.checkpoint_dir}" in out
@@ -625,7 +635,7 @@ def test_checkpoint_restores_model_optimizer_and_figures(parse, tmp_path):
     args = parse("--resume", "--checkpoint-dir", ck)
     fresh, fresh_optimizer = model_and_optimizer(args)
     resumed = started(args)
-    resumed.resume(fresh, fresh_optimizer, train_loader=[None] * 2)
+    resumed.before_training(fresh, fresh_optimizer, train_loader=[None] * 2)
     assert torch.equal(fresh.conv_proj.weight, model.conv_proj.weight)
     assert fresh_optimizer.state_dict()["state"][0]["step"] == 1
     assert (resumed.start_epoch, resumed.train_loss, resumed.val_acc) == (1, [3.0], [0.5])
@@ -644,7 +654,7 @@ def test_a_scheduler_handed_over_is_kept_and_restored(parse, tmp_path):
     scheduler.step()
     keeper = started(args)
     keeper.keep_in_checkpoints(scheduler)
-    keeper.resume(model, optimizer, train_loader=[None])
+    keeper.before_training(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
     keeper.checkpoint(val_acc=0.5)
     ended(keeper)
@@ -653,7 +663,7 @@ def test_a_scheduler_handed_over_is_kept_and_restored(parse, tmp_path):
     fresh_scheduler = torch.optim.lr_scheduler.ExponentialLR(fresh_optimizer, gamma=0.9)
     resumed = started(args)
     resumed.keep_in_checkpoints(fresh_scheduler)
-    resumed.resume(fresh, fresh_optimizer, train_loader=[None])
+    resumed.before_training(fresh, fresh_optimizer, train_loader=[None])
     assert fresh_scheduler.last_epoch == 1 and fresh_optimizer.param_groups[0]["lr"] == pytest.approx(5e-5 * 0.9)
     ended(resumed)
 
@@ -669,7 +679,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=5e-5))
     model.get_parameter("conv_proj.weight").data.fill_(0.25)
     keeper = started(args, fabric)
-    keeper.resume(model, optimizer, train_loader=[None])
+    keeper.before_training(model, optimizer, train_loader=[None])
     keeper.batch_done(torch.tensor(1.0), batch_size=4)
     keeper.checkpoint(val_acc=0.5)
     ended(keeper)
@@ -677,7 +687,7 @@ def test_fabric_saves_and_loads_a_compiled_models_checkpoint(parse, tmp_path):
     fresh = fabric.setup_module(torch.compile(lu.build_vit(None, args)))
     fresh_optimizer = fabric.setup_optimizers(torch.optim.Adam(fresh.parameters(), lr=5e-5))
     resumed = started(args, fabric)
-    resumed.resume(fresh, fresh_optimizer, train_loader=[None])
+    resumed.before_training(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and bool((fresh.get_parameter("conv_proj.weight") == 0.25).all())
     ended(resumed)
 
@@ -705,7 +715,7 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     args = parse("--resume", "--checkpoint-dir", "ck")
     fresh, fresh_optimizer = model_and_optimizer(args)
     resumed = started(args)
-    resumed.resume(fresh, fresh_optimizer, train_loader=[None])
+    resumed.before_training(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and not (keeper.folder / "epoch-0002.ckpt.tmp").exists()
     ended(resumed)
 
@@ -804,7 +814,7 @@ def test_a_resumed_runs_peak_is_the_peak_of_all_its_sessions(parse):
     keeper.checkpoint(val_acc=0.5)
     ended(keeper)
     resumed = started(parse("--resume"))
-    resumed.resume(model, optimizer, train_loader=[None])
+    resumed.before_training(model, optimizer, train_loader=[None])
     assert resumed.peak_gb == 123.0 and resumed.start_epoch == 1
     ended(resumed)
 
