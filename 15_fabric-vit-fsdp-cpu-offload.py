@@ -68,7 +68,7 @@ if __name__ == "__main__":
     with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (LT_PRECISION, the precision Fabric runs; Ctrl-C; the checkpoint folder), undone as the block ends: run_keeping/keeper.py
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: parse_args reads this literal from the script's text, run_keeping/device.py's precision_that_runs decides, RunKeeper.set_up hands it to Fabric as LT_PRECISION)
+            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: parse_args reads this literal from the script's text, run_keeping/device.py's precision_that_runs decides, RunKeeper.set_up hands it to Fabric as LT_PRECISION, which Fabric takes over this argument)
             strategy=L.fabric.strategies.ModelParallelStrategy(parallelize.fsdp_each_encoder_block_offloaded, data_parallel_size=args.world_size, tensor_parallel_size=1),  # [15] instead of (fsdp_each_encoder_block, ...): CPU offload
         )
         fabric.launch()  # [03] new: starts the other processes, if any

@@ -8,7 +8,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torchmetrics
+import torchvision.models as vits
 from torch.utils.data import DataLoader, Subset, TensorDataset
+from torchvision import transforms
+from torchvision.datasets import CIFAR10
+from torchvision.models.vision_transformer import VisionTransformer
 
 from run_keeping.config import LessonParser, fail
 
@@ -30,8 +34,6 @@ def lesson_parser(epochs, devices=None, batch_size=16, num_workers_flag=True, ch
 
 def talk_transforms():
     """The talk's transform for every split: resize to 224x224, to a tensor in [0, 1]."""
-    from torchvision import transforms
-
     return transforms.Compose([transforms.Resize((TALK_IMAGE_SIZE, TALK_IMAGE_SIZE)), transforms.ToTensor()])
 
 
@@ -56,8 +58,6 @@ def get_dataloaders(args):
 
 def cifar10_datasets(data_dir, download=True):
     """torchvision's CIFAR10 in data_dir, the talk's transform: 45,000 train / last 5,000 validation / 10,000 test."""
-    from torchvision.datasets import CIFAR10
-
     where = os.path.abspath(data_dir)
     created = [p for p in [Path(where), *Path(where).parents] if not p.exists()]
     try:
@@ -115,8 +115,6 @@ def synthetic_datasets(args, device=None):
 def smoke_vit():
     """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (with 4 of 16, random init
     read the digits as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
-    from torchvision.models.vision_transformer import VisionTransformer
-
     size = SMOKE_IMAGE_SIZE
     return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)
 
@@ -125,8 +123,6 @@ def build_vit(weights, args):
     """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1"; --smoke: the small ViT,
     pretrained on printed digits (make_smoke_weights.py: the demo's ImageNet) where the full run loads
     IMAGENET1K_V1; --synthetic: random init. model.init says what it starts from."""
-    import torchvision.models as vits
-
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
     pretrained = weights is not None and not args.synthetic  # --smoke: the small ViT's own weights where these are
     init = "random init"

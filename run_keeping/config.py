@@ -94,25 +94,30 @@ def whole_number(least, most=None):
 
 def read_script(path):
     """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (32-true
-    where it names none; None, not known, where not written as text), its torch.compile mode (None: none), --help."""
+    where it names none; None, not known, where not written as text or where two differ), its torch.compile mode (None:
+    none; a mode not written as text is recorded as torch's default) and its --help."""
     said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
         tree = ast.parse(text)
     except (OSError, SyntaxError, ValueError):
         return said | {"precision": None}
+    asked = set()  # each Fabric(...)'s precision
     for call in (node for node in ast.walk(tree) if isinstance(node, ast.Call)):
         name = ast.unparse(call.func)
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
         if name.split(".")[-1] == "Fabric" and "precision" in keywords:
-            said["precision"] = text_literal(keywords["precision"])
-        elif name.split(".")[-1] == "Fabric" and None in keywords:
-            said["precision"] = None  # perhaps in its **options (Fabric takes its arguments by keyword only)
-        elif name == "torch.compile":  # its mode, where a text literal gives it
+            asked.add(text_literal(keywords["precision"]))
+        elif name.split(".")[-1] == "Fabric":  # perhaps in its **options (Fabric takes its arguments by keyword only)
+            asked.add(None if None in keywords else "32-true")
+        elif name == "torch.compile":
             said["compile_mode"] = text_literal(keywords.get("mode")) or "default"
+    if asked:
+        said["precision"] = asked.pop() if len(asked) == 1 else None
     tags = own_tags(text)
     items = [textwrap.fill(tag, 116, initial_indent="  - ", subsequent_indent="    ") for tag in tags]
-    heading = [f"{Path(path).name}: its own changes, the lines tagged {tags[0][:4]}:", *items, ""] if tags else []
+    label = tags[0].split()[0] if tags else ""  # "[17]"
+    heading = [f"{Path(path).name}: its own changes, the lines tagged {label}:", *items, ""] if tags else []
     said["description"] = "\n".join([*heading, (ast.get_docstring(tree) or "").split("\n\n")[0]])
     return said
 
@@ -203,8 +208,10 @@ class LessonParser(Parser):
     tensor_parallel by dest. `devices`: processes per machine (None: one, no --devices); `check(settings)`: a line."""
 
     def __init__(self, epochs, devices=None, batch_size=16, num_workers_flag=True, train_images=None, check=None):
-        self.own_flags: list | None = None  # the lesson's flags as added: None while argparse and this add the shared
-        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter)  # the description's lines as written
+        self.own_flags: list = []  # the lesson's flags, as add_argument returns them
+        self.lessons_turn = False  # True once argparse and this added the shared flags: a flag then is the lesson's
+        # the description's lines as written; a flag only as written whole (the commands a run prints repeat them)
+        super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
         self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
         self.train_images = train_images or {}
@@ -234,31 +241,30 @@ class LessonParser(Parser):
         add("--checkpoint-dir", metavar="DIR", help="checkpoints (default checkpoints/<run>/), seen by every machine")
         add("--resume", **switch, help="continue the run in --checkpoint-dir from its last epoch")
         self.set_defaults(micro_batches=1, tensor_parallel=1)
-        self.own_flags = []
+        self.lessons_turn = True
 
     def add_argument(self, *names, **keywords):  # type: ignore[override]  (argparse types each keyword)
         action = super().add_argument(*names, **keywords)
-        return action if self.own_flags is None else self.own(action)
+        return self.own(action) if self.lessons_turn else action
 
     def own(self, action):
         """A lesson's flag, counted as its own; one whose dest is a setting the run derives is refused."""
         if action.dest in Settings.__annotations__ and action.dest not in ("micro_batches", "tensor_parallel"):
             flag = "/".join(action.option_strings) or action.dest
             self.error(f"{flag}: its dest {action.dest!r} is a setting the run derives (Settings); give it another")
-        assert self.own_flags is not None, "own() is for the lesson's flags, after the shared ones"
         self.own_flags.append(action)
         return action
 
     def add_argument_group(self, *args, **keywords):  # type: ignore[override]  (a LessonGroup, not argparse's class)
         group = super().add_argument_group(*args, **keywords)
-        return group if self.own_flags is None else LessonGroup(group, self)
+        return LessonGroup(group, self) if self.lessons_turn else group
 
     def add_mutually_exclusive_group(self, **keywords):  # type: ignore[override]  (likewise; only a lesson's)
         return LessonGroup(super().add_mutually_exclusive_group(**keywords), self)
 
     def flag(self, dest, otherwise):
         """The lesson's flag that sets `dest`, or `otherwise`."""
-        flags = [a.option_strings[0] for a in self.own_flags or [] if a.dest == dest and a.option_strings]
+        flags = [a.option_strings[0] for a in self.own_flags if a.dest == dest and a.option_strings]
         return flags[0] if flags else otherwise
 
     def parse_args(self, args=None, namespace=None) -> Settings:  # type: ignore[override]  (Settings, a Namespace)
@@ -281,12 +287,13 @@ class LessonParser(Parser):
         given.vit = given.vit or defaults["vit"]
         given.kind = kind
         given.script = Path(sys.argv[0]).name
-        own = own_settings(self.own_flags or [], given)
+        own = own_settings(self.own_flags, given)
         given.own = {flag: value for flag, (value, _) in own.items()}
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        # as asked where the machine is refused below (after check=): a GPU torch cannot use is not asked of bfloat16
+        # where the machine is refused (below, after check=, so that a flag's own error is said first), as asked:
+        # a GPU torch cannot use is not asked whether it computes bfloat16
         given.precision = said["precision"]
         if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
@@ -383,7 +390,7 @@ def place_processes(given, parser):
     if accelerator == "cuda" and count > gpus and not refusal:
         refusal = fewer_gpus_line(given, parser, count, gpus)
     cores = os.cpu_count() or 1
-    if accelerator == "cpu" and count > max(4, cores):
+    if accelerator == "cpu" and count > max(4, cores):  # up to 4 share any machine's cores, as the smoke runs' 2 do
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
     world = count * num_nodes
     if group < 1 or world % group:
@@ -515,19 +522,18 @@ def read_the_checkpoint_folder(given):
     latest = read_json(folder / LATEST)
     exists = (folder / LATEST).exists()
     restart = restart_reason(latest)
+    if exists and not latest:
+        fail_once(f"{folder / LATEST} is unreadable or corrupt (not the JSON a run writes); {start_over(given)}")
     if exists and not given.resume and not restart:
         how = f"continue it with: {resume_command(latest.get('flags'))}; or {elsewhere(folder)}"
         fail_once(f"{folder} holds the checkpoint of an unfinished run: {how}; or {start_over(given)}")
     if given.resume and not exists:
         fail_once(nothing_to_resume(given, folder))
-    if exists and not latest:
-        corrupt = f"{folder / LATEST} is unreadable or corrupt (not the JSON a run writes)"
-        fail_once(f"--resume: {corrupt}; {start_over(given)}")
     if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
-        as_started = f"continue it as started: {resume_command(latest.get('flags'))}"
-        if (latest.get("settings") or {}).get("precision") != given.precision:  # the device's: no flag changes it
-            as_started = "continue it on a device that runs its precision"
+        precision = (latest.get("settings") or {}).get("precision")
+        where = f" where the device runs {precision}" if precision != given.precision else ""  # no flag sets it
+        as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart
 
@@ -549,24 +555,20 @@ def nothing_to_resume(given, folder):
         differences = made_with(given, latest)
         made = f", made with {', '.join(differences)}" if differences else ""
         line.append(f"{path.parent} holds one{made}: continue it with {resume_command(latest.get('flags'))}.")
-    if given.num_nodes > 1:
-        line.append("Every machine must see it (--checkpoint-dir).")
     return " ".join(line)
 
 
 def lock_holder(folder):
     """The line of the process that holds the folder's .lock (keeper.FolderLock), or None; nothing is made or held."""
     try:
-        fd = os.open(Path(folder) / ".lock", os.O_RDONLY)
-    except OSError:
+        with open(Path(folder) / ".lock", "rb") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken, and let go of as it closes: no holder
+            except BlockingIOError:  # held: its holder's line
+                return lock.read(400).decode(errors="replace").strip()
+    except OSError:  # no .lock; or a file system that takes no locks, where none can hold it
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return None
-    except OSError as err:  # held; or a file system that takes no locks, where none can hold it
-        return os.pread(fd, 400, 0).decode(errors="replace").strip() if isinstance(err, BlockingIOError) else None
-    finally:
-        os.close(fd)
+    return None
 
 
 def in_progress(folder):

@@ -13,8 +13,8 @@ DIAGNOSIS = "bash gpu_check.sh says what this machine has and which torch build 
 def cuda_gpus():
     """(the GPUs CUDA gives this torch, what torch said where it cannot use them or None). CUDA starts before they are
     counted, so MIG instances and CUDA_VISIBLE_DEVICES count as CUDA counts them (before, torch counts the driver's,
-    through NVML, once Lightning is imported). Starting it raises torch's words where the driver cannot run this
-    build; where the build has no kernels for a GPU, torch warns as it starts, naming the GPU."""
+    through NVML: Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK as it is imported). Starting it raises torch's words
+    where the driver cannot run this build; where the build has no kernels for a GPU, torch warns, naming the GPU."""
     import torch
 
     with warnings.catch_warnings(record=True) as said:
@@ -98,7 +98,7 @@ def device_name(accelerator):
 
 def fallback_line(args, ran):
     """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
-    # none decided; or not taken, by a Fabric made before the run's block, which set LT_PRECISION
+    # none decided; or not taken: the Fabric was made before the run's block set LT_PRECISION, and runs as asked
     if args.precision == args.precision_asked or ran != args.precision:
         return None
     instead = f"running {ran} instead of {args.precision_asked}"
@@ -106,5 +106,5 @@ def fallback_line(args, ran):
         return f"This GPU ({device_name('cuda')}) has no native bfloat16: {instead}."
     slow = "emulated bfloat16 runs many times slower than float32; the record says both"
     where = "What bfloat16 saves in time and memory shows on a CPU with AVX512-BF16 or AMX, or a GPU from Ampere on"
-    none = f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX)"
+    none = f"This {device_name('cpu')} has no native bfloat16 (no AVX512-BF16 or AMX, or oneDNN capped below them)"
     return f"{none}: {instead}, since {slow}. {where} (docs/smoke.md)."

@@ -104,11 +104,11 @@ class RunKeeper:
             with self.signals_noted():  # a signal while the run's changes are made is raised once they all are
                 self.set_up()
             return self
-        except KeyboardInterrupt as stop:  # as if it came at the block's first line: its line, all undone, and
-            self.__exit__(KeyboardInterrupt, stop, None)  # says its line, undoes all, raises SystemExit(130 or 143),
-            raise  # so this line is not reached
+        except KeyboardInterrupt as stop:  # a signal during the set-up, as if at the block's first line: __exit__
+            self.__exit__(KeyboardInterrupt, stop, None)  # says its line, undoes all and raises SystemExit(130 or 143)
+            raise  # (not reached)
         except BaseException:
-            self.noting = True  # its changes undone whole
+            self.noting = True  # a signal during the undo is only noted: the changes are undone whole
             self.undo.close()
             raise
 
@@ -493,7 +493,7 @@ class RunKeeper:
         trained = len(self.train_loss)
         losing = ""
         if trained > self.epochs_kept:  # between an epoch's end and its checkpoint's name in latest.json
-            losing = f"; epoch {trained}, whose checkpoint was being written, is not kept"
+            losing = f"; epoch {trained}, trained but in no checkpoint yet, is not kept"
         elif self.batch_in_epoch:
             losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
         if self.last:

@@ -118,7 +118,8 @@ def why_unloadable(error):
 def first_line(text, limit=300):
     """The first line of `text`, cut at a word's end past `limit` characters."""
     line = (str(text).strip().splitlines() or [""])[0]
-    return line if len(line) <= limit else line[: line.rfind(" ", 0, limit)] + " ..."
+    end = line.rfind(" ", 0, limit)  # a word's end; a line of no spaces (a path, a URL) is cut at the limit
+    return line if len(line) <= limit else line[: end if end > 0 else limit] + " ..."
 
 
 def peak_memory_gb(accelerator):

@@ -24,6 +24,7 @@ def argv(monkeypatch):
     (["--max-steps", "x"], "argument --max-steps: must be a whole number, got 'x'"),
     (["--epochs", "abc"], "argument --epochs: must be a whole number, got 'abc'"),
     (["--accelerator", "tpu"], "argument --accelerator: invalid choice: 'tpu'"),
+    (["--resum"], "unrecognized arguments: --resum"),  # a flag as written whole: the commands a run prints repeat it
 ])
 def test_bad_flag_values(argv, capsys, flags, message):
     """One line, not argparse's usage block: the program, the flag, what is wrong, where --help is."""
@@ -135,10 +136,10 @@ def test_torch_compile_without_a_cpp_compiler(tmp_path, earlier_records):
     assert earlier_records.read_bytes() == before and not (tmp_path / "models").exists()
 
 
-@pytest.mark.parametrize("flags, processes", [
-    ([], 2), (["--devices", "3"], 3), (["--devices=3"], 3), (["--device", "3"], 3)])
+@pytest.mark.parametrize("flags, processes", [([], 2), (["--devices", "3"], 3), (["--devices=3"], 3)])
 def test_devices_given_in_any_spelling_are_taken(argv, flags, processes):
-    """Only a smoke run that names no --devices is capped to 2 processes on a CPU."""
+    """Only a smoke run that names no --devices is capped to 2 processes on a CPU. (An abbreviation, --device, is
+    refused: the commands a run prints repeat its flags as written: test_bad_flag_values.)"""
     args = argv("--smoke", *flags, script="05_fabric-vit-mixed-ddp.py")
     assert args.devices == processes
 
@@ -264,3 +265,11 @@ def test_a_checkpoint_that_cannot_be_loaded_ends_the_run_with_2(tmp_path):
                       cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "cannot load" in lines[0] and "start over" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_long_line_is_cut_at_a_words_end_or_at_its_limit():
+    """An error's first line, cut past its limit at a word's end; a line of no spaces (a path, a URL) at the limit."""
+    from run_keeping.record import first_line
+    assert first_line("first\nsecond") == "first"
+    assert first_line("word " * 100) == " ".join(["word"] * 60) + " ..."
+    assert first_line("x" * 305) == "x" * 300 + " ..."

@@ -190,6 +190,8 @@ def test_a_benchmark_row_says_what_ran_and_what_was_asked():
     ('L.Fabric(accelerator="cpu", precision=PRECISION)', None),
     ('L.Fabric(accelerator="cpu", precision=16)', None),  # Fabric takes the number too: not a text, not read
     ('L.Fabric(accelerator="cpu", precision="bf16")', "bf16"),  # Lightning's short name for bf16-mixed
+    ('L.Fabric(precision="32-true") if 0 else L.Fabric(precision="bf16-mixed")', None),  # two that differ
+    ('L.Fabric(precision="bf16-true") if 0 else L.Fabric(precision="bf16-true")', "bf16-true"),  # two, alike
 ])
 def test_only_a_literal_precision_is_read_from_the_script(tmp_path, call, said):
     """The precision a script asks for is read from its Fabric(...) only where it is a keyword written as text; given
@@ -213,7 +215,8 @@ def test_only_a_precision_that_computes_in_bfloat16_falls_back_and_only_a_fallba
     for asked in ("bf16-mixed", "bf16-true", "bf16", "16-mixed"):
         assert precision_that_runs(asked, "cpu") == "32-true", asked
         fell_back = argparse.Namespace(precision_asked=asked, precision="32-true", accelerator="cpu")
-        assert f"running 32-true instead of {asked}, since" in fallback_line(fell_back, "32-true")
+        said = fallback_line(fell_back, "32-true")
+        assert f"(no AVX512-BF16 or AMX, or oneDNN capped below them): running 32-true instead of {asked}, " in said
     for asked in ("32-true", "64-true", None):
         assert precision_that_runs(asked, "cpu") == asked
     assert precision_that_runs("16-mixed", "cuda") == "16-mixed"  # a GPU's float16: no bfloat16 in it

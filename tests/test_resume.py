@@ -438,12 +438,13 @@ def test_resume_with_nothing_to_resume_names_the_command(parse, tmp_path, capsys
 
 def test_fresh_run_refuses_to_overwrite_an_unfinished_one(parse, tmp_path, capsys):
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / LATEST).write_text("{}")
+    latest = '{"checkpoint": "epoch-0001.ckpt", "flags": ["--smoke"]}'
+    (tmp_path / "ck" / LATEST).write_text(latest)
     with pytest.raises(SystemExit) as exit_info:
         parse("--checkpoint-dir", str(tmp_path / "ck"))
     assert exit_info.value.code == 2
     assert "--resume" in capsys.readouterr().err
-    assert (tmp_path / "ck" / LATEST).read_text() == "{}"
+    assert (tmp_path / "ck" / LATEST).read_text() == latest
 
 
 def test_a_fresh_run_in_the_default_folder_is_offered_the_next_free_one(tmp_path, capsys):
@@ -530,8 +531,8 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     ({"settings": {"precision": "bf16-mixed"}}, ["precision bf16-mixed (now 32-true)"]),  # made where bf16 ran
 ])
 def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, meta, words):
-    """Refused in one line that names the difference and the way on: the command as it started, or, where the
-    precision differs, which is the device's and no flag's, a device that runs it."""
+    """Refused in one line that names the difference and the way on: the command as it started, where the precision
+    differs (the device's, no flag's) on a device that runs the checkpoint's."""
     ck = str(tmp_path / "ck")
     write_checkpoint(parse("--checkpoint-dir", ck), **meta)
     before = {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)}
@@ -542,7 +543,7 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     assert all(w in err for w in words), err
     the_device_s = "precision" in meta.get("settings", {})
     assert ("; continue it as started: python" in err) != the_device_s, err
-    assert ("; continue it on a device that runs its precision;" in err) == the_device_s, err
+    assert ("; continue it as started where the device runs bf16-mixed: python" in err) == the_device_s, err
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
@@ -568,6 +569,10 @@ def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse("--resume", "--checkpoint-dir", str(ck))
     assert "corrupt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a fresh run in that folder: told the same, never offered to continue it
+        parse("--checkpoint-dir", str(ck))
+    err = capsys.readouterr().err
+    assert "is unreadable or corrupt" in err and "--resume" not in err, err
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ def test_the_interruption_line_is_true_at_any_moment_of_a_checkpoint(tmp_path, m
     latest = json.loads(next(tmp_path.glob("checkpoints/*/latest.json")).read_text())
     held = f"{latest['checkpoint']}, holds {latest['epochs_done']} of 3 epochs"
     assert held in last and (latest["epochs_done"] == 2) == (moment != "writing"), (moment, last, latest)
-    assert ("epoch 2, whose checkpoint was being written, is not kept" in last) == (moment == "writing"), last
+    assert ("epoch 2, trained but in no checkpoint yet, is not kept" in last) == (moment == "writing"), last
 
 
 # 05's two processes as Lightning starts them: process 0 notes when it comes to the meeting at the end (a file);

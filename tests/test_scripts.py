@@ -484,13 +484,17 @@ def test_no_tf32_switch_anywhere():
         assert "set_float32_matmul_precision" not in text and "allow_tf32" not in text, path.name
 
 
-def test_a_lessons_own_tags_are_those_of_its_highest_number():
+def test_a_lessons_own_tags_are_those_of_its_highest_number(tmp_path):
     """The tagged lines --help opens with are the highest number's, compared as numbers (a lesson 100 tags after
-    99); a bare "[100] new" says nothing and is left out."""
-    from run_keeping.config import own_tags
+    99), under a heading that names that number; a bare "[100] new" says nothing and is left out."""
+    from run_keeping.config import own_tags, read_script
 
     text = "x = 1  # [99] instead of y: the old way\nz = 2  # [100] new: the third way\nw = 3  # [100] new\n"
     assert own_tags(text) == ["[100] new: the third way."]
+    lesson = tmp_path / "100_your-lesson.py"
+    lesson.write_text(text)
+    said = read_script(lesson)["description"]
+    assert said.startswith("100_your-lesson.py: its own changes, the lines tagged [100]:\n  - [100] new: the"), said
 
 
 @pytest.mark.slow
