@@ -124,7 +124,7 @@ def build_vit(weights, args):
     pretrained on printed digits (make_smoke_weights.py: the demo's ImageNet) where the full run loads
     IMAGENET1K_V1; --synthetic: random init. model.init says what it starts from."""
     vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
-    pretrained = weights is not None and not args.synthetic  # --smoke: the small ViT's own weights where these are
+    pretrained = weights is not None and not args.synthetic  # --smoke: SMOKE_WEIGHTS in place of ImageNet's
     init = "random init"
     if args.smoke:
         model = smoke_vit()
@@ -142,7 +142,7 @@ def build_vit(weights, args):
             cache = os.path.join(torch.hub.get_dir(), "checkpoints", os.path.basename(weights.url))
             fetch = f"On a machine with internet, download {weights.url} and place it at {cache}"
             fail(f"the ImageNet weights {weights} could not be loaded ({getattr(err, 'reason', err)}). {fetch}.")
-    setattr(model, "init", init)  # a note beside torchvision's attributes (setattr: its class declares no init)
+    setattr(model, "init", init)  # a note beside torchvision's attributes (setattr: the type checker knows no init)
     return model
 
 

@@ -108,7 +108,7 @@ def read_script(path):
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
         if name.split(".")[-1] == "Fabric" and "precision" in keywords:
             asked.add(text_literal(keywords["precision"]))
-        elif name.split(".")[-1] == "Fabric":  # perhaps in its **options (Fabric takes its arguments by keyword only)
+        elif name.split(".")[-1] == "Fabric":  # perhaps in **options (keyword arg None); Fabric takes keywords only
             asked.add(None if None in keywords else "32-true")
         elif name == "torch.compile":
             said["compile_mode"] = text_literal(keywords.get("mode")) or "default"
@@ -116,9 +116,8 @@ def read_script(path):
         said["precision"] = asked.pop() if len(asked) == 1 else None
     tags = own_tags(text)
     items = [textwrap.fill(tag, 116, initial_indent="  - ", subsequent_indent="    ") for tag in tags]
-    label = tags[0].split()[0] if tags else ""  # "[17]"
-    heading = [f"{Path(path).name}: its own changes, the lines tagged {label}:", *items, ""] if tags else []
-    said["description"] = "\n".join([*heading, (ast.get_docstring(tree) or "").split("\n\n")[0]])
+    head = [f"{Path(path).name}: its own changes, the lines tagged {tags[0].split()[0]}:", *items, ""] if tags else []
+    said["description"] = "\n".join([*head, (ast.get_docstring(tree) or "").split("\n\n")[0]])
     return said
 
 
@@ -137,9 +136,10 @@ def own_tags(text):
     return [tag for tag in own if len(tag.split()) > 2]
 
 
-def check_path(flag, path, folder=False):
-    """One line, exit 2, where `path` (a file, or a folder) cannot be written. A folder is tried with a file that is
-    gone as it closes (a read-only file system, or one that takes no files, refuses it); a file by its permissions."""
+def check_path(flag, path, folder=False, appended=False):
+    """One line, exit 2, where `path` (a file, or a folder) cannot be written. Its folder is tried with a file that is
+    gone as it closes (a read-only file system, or one that takes no files, refuses it): a file is written beside and
+    renamed into place; a file that exists and is `appended` to (--results) is tried by its permissions."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != folder:
         fail(f"{flag} {path} cannot be written: it is a {'file, not a folder' if folder else 'folder'}")
@@ -148,7 +148,7 @@ def check_path(flag, path, folder=False):
         parent = parent.parent
     if not parent.is_dir():
         fail(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
-    target = path if path.exists() and not folder else parent
+    target = path if path.exists() and appended else parent
     try:
         if target.is_dir():
             tempfile.TemporaryFile(dir=target).close()
@@ -177,7 +177,7 @@ class Settings(argparse.Namespace):
     batch_note: str  # a smoke run's word on a batch other than the talk's 16, or ""
     own: dict  # the lesson's own flags, by their first option string, and their values (defaults too)
     precision_asked: str | None  # what the script's Fabric(...) asks for (None: not a literal)
-    precision: str | None  # what runs: precision_asked, or 32-true where the device has no native bfloat16
+    precision: str | None  # decided: precision_asked, or 32-true where it would compute in emulated bfloat16
     compile_mode: str | None  # the mode of the script's torch.compile(...), or None where it compiles nothing
     checkpoint_dir_is_default: bool  # checkpoints/<run>/: the run's own, removed with checkpoints/ where left empty
     restart: str | None  # why the run continues the one in its folder without --resume (a launcher's), or None
@@ -292,8 +292,8 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        # where the machine is refused (below, after check=, so that a flag's own error is said first), as asked:
-        # a GPU torch cannot use is not asked whether it computes bfloat16
+        # if the machine is refused below (after check=, so that a flag's own error comes first), the precision stays
+        # as asked: a GPU torch cannot use is not asked whether it computes bfloat16
         given.precision = said["precision"]
         if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
@@ -308,7 +308,7 @@ class LessonParser(Parser):
             self.error(wrong)
         if machine_refusal:  # after the flags' own refusals: a flag wrong whatever the machine is said first
             fail(machine_refusal)
-        check_path("--results", given.results)  # each place the run writes, before any work
+        check_path("--results", given.results, appended=True)  # each place the run writes, before any work
         check_path("--save-model", given.save_model)
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
@@ -477,7 +477,7 @@ def check_launch(given, takes_devices):
     problem = None
     asked = f"--devices {given.devices} --num-nodes {given.num_nodes}{'' if takes_devices else ' (one process)'}"
     job = env.get("SLURM_JOB_NAME")
-    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments (RunKeeper hands LT_PRECISION to processes)
+    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments; processes Lightning starts inherit ours
     setting_fabric = [f"{name}={value}" for name, value in env.items() if name.startswith("LT_")]
     setting_fabric = [setting for setting in setting_fabric if setting != f"LT_PRECISION={given.precision}"]
     if "LT_CLI_USED" in env:  # Fabric then refuses its arguments where they differ from `fabric run`'s flags
@@ -532,7 +532,7 @@ def read_the_checkpoint_folder(given):
     if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
         precision = (latest.get("settings") or {}).get("precision")
-        where = f" where the device runs {precision}" if precision != given.precision else ""  # no flag sets it
+        where = f" on a machine whose device runs {precision}" if precision != given.precision else ""  # no flag
         as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart

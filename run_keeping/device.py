@@ -22,7 +22,7 @@ def cuda_gpus():
         if not torch.cuda.is_available():  # a CPU build, no driver or no GPU the driver lists, or CUDA's own error
             return 0, " ".join(str(warning.message) for warning in said) or None
         try:
-            torch.cuda.init()
+            torch.cuda.init()  # before device_count(): CUDA's count, not NVML's
         except (RuntimeError, AssertionError) as err:
             return 0, str(err)
     count = torch.cuda.device_count()
@@ -98,7 +98,7 @@ def device_name(accelerator):
 
 def fallback_line(args, ran):
     """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
-    # none decided; or not taken: the Fabric was made before the run's block set LT_PRECISION, and runs as asked
+    # no fallback decided (or no precision known); or the Fabric was made before the run's block set LT_PRECISION
     if args.precision == args.precision_asked or ran != args.precision:
         return None
     instead = f"running {ran} instead of {args.precision_asked}"

@@ -80,7 +80,7 @@ class RunKeeper:
         self.val_acc: list[float] = []
         self.lr: list[float] = []
         self.peak_gb = 0.0
-        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # progress() before --resume
+        self.earlier = {"train_time_s": 0.0, "timed_images": 0.0, "timed_seconds": 0.0}  # earlier sessions' (--resume)
         # this session's timing (started: when training began, 0 before)
         self.started = 0.0
         self.cpu_at_start = (0.0, 0.0)
@@ -149,7 +149,7 @@ class RunKeeper:
             yield
         finally:
             self.noting = noting
-        if self.noted:
+        if self.noted and not noting:  # nested in another: that one raises it
             self.signum, self.noted = self.noted, None
             raise KeyboardInterrupt
 
@@ -318,7 +318,7 @@ class RunKeeper:
             if self.batch_in_epoch == self.batches_per_epoch:
                 self.timed_images += self.epoch_images
                 self.timed_seconds += self.now() - self.timed_since
-        elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:
+        elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:  # the epoch's first step done, start-up over
             self.timed_since = self.now()
             if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -585,7 +585,8 @@ def explain(error, args, rank, world_size, last_checkpoint):
             go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every process can"
         else:
             go_on = "no checkpoint was written yet: start it again"
-        how = f"it was lost (a machine died, a process was killed) or it failed (its own output says which; {lost[0]})"
+        said = lost.group(0)  # what the collective said
+        how = f"it was lost (a machine died, a process was killed) or it failed (its own output says which; {said})"
         stops = f"Process {rank} of {world_size} stops too; {go_on}"
         return f"error: a process of the run stopped{which}: {how}. {stops}.", 3
     return None

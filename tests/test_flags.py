@@ -6,6 +6,7 @@ metavar names (a folder where a file goes, a file where a folder goes, a path un
 read-only place), ends in one line and exit 2, before any work: the scripts run in this process up
 to their first step past the command line, where a tripwire stops them if a value got through."""
 import argparse
+import os
 import re
 import runpy
 import subprocess
@@ -221,3 +222,40 @@ def test_a_read_only_place_is_named_so_before_any_work(tmp_path, places, capsys,
         err = capsys.readouterr().err.strip()
         assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
         assert f"{flag} {places['read-only']} cannot be written: " in err and "is on a read-only file system" in err
+
+
+def test_each_place_is_tried_as_the_run_writes_it(tmp_path):
+    """The model file is written beside itself and renamed into place, so its folder is what must take a file: a
+    writable model file in a folder that takes none is refused before any work, and a read-only one in a folder that
+    does is not. The record is appended to the file in place, so an existing --results file is tried by its own
+    permission. (As root, run without the capability that passes every permission check.)"""
+    import shutil
+    closed, open_ = tmp_path / "closed", tmp_path / "open"
+    for folder, mode in ((closed, 0o555), (open_, 0o755)):
+        folder.mkdir()
+        for name, file_mode in (("model.pt", 0o666), ("read-only.pt", 0o444), ("runs.jsonl", 0o666),
+                                ("read-only.jsonl", 0o444)):
+            (folder / name).touch(mode=file_mode)
+            (folder / name).chmod(file_mode)
+        folder.chmod(mode)
+    prefix = []
+    if os.geteuid() == 0:
+        if not shutil.which("setpriv"):
+            pytest.skip("as root, the test needs setpriv (util-linux) to give up passing every permission check")
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--inh-caps", "-all"]
+    code = "import sys\nsys.argv = ['04_fabric-vit-mixed-precision.py']\nfrom run_keeping.config import check_path\n"
+    expected = {("--save-model", closed / "model.pt", False): "Permission denied",
+                ("--save-model", open_ / "read-only.pt", False): None,
+                ("--results", closed / "runs.jsonl", True): None,
+                ("--results", open_ / "read-only.jsonl", True): "Permission denied"}
+    try:
+        for (flag, path, appended), refused in expected.items():
+            call = f"check_path({flag!r}, {str(path)!r}, appended={appended})"
+            proc = subprocess.run([*prefix, sys.executable, "-c", f"{code}{call}"], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=60)
+            if refused:
+                assert proc.returncode == 2 and f"{flag} {path} cannot be written: {refused}" in proc.stderr, proc
+            else:
+                assert proc.returncode == 0 and not proc.stderr, (flag, path, proc.stderr)
+    finally:
+        closed.chmod(0o755)

@@ -543,7 +543,7 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     assert all(w in err for w in words), err
     the_device_s = "precision" in meta.get("settings", {})
     assert ("; continue it as started: python" in err) != the_device_s, err
-    assert ("; continue it as started where the device runs bf16-mixed: python" in err) == the_device_s, err
+    assert ("; continue it as started on a machine whose device runs bf16-mixed: python" in err) == the_device_s, err
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
