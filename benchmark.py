@@ -116,7 +116,7 @@ def settle(args, parser):
         fail("nothing to measure: " + "; ".join(args.skipped), code=SOME_FAILED)
     for flag in ("results", "report"):
         if getattr(args, flag):
-            check_path(f"--{flag}", getattr(args, flag), appended=flag == "results")  # records are appended
+            check_path(f"--{flag}", getattr(args, flag), in_place=flag == "results")  # records are appended
     return args
 
 

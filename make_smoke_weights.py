@@ -155,7 +155,7 @@ def main(argv=None):
     parser.add_argument("--output", default=str(OUTPUT), metavar="PATH", help=f"default {OUTPUT} "
                         "under the current folder, with its .json beside it")
     args = parser.parse_args(argv)
-    check_path("--output", args.output)
+    check_path("--output", args.output, in_place=True)  # torch.save writes it in place
     from local_utilities import smoke_vit
 
     began = time.time()

@@ -136,10 +136,10 @@ def own_tags(text):
     return [tag for tag in own if len(tag.split()) > 2]
 
 
-def check_path(flag, path, folder=False, appended=False):
-    """One line, exit 2, where `path` (a file, or a folder) cannot be written. Its folder is tried with a file that is
-    gone as it closes (a read-only file system, or one that takes no files, refuses it): a file is written beside and
-    renamed into place; a file that exists and is `appended` to (--results) is tried by its permissions."""
+def check_path(flag, path, folder=False, in_place=False):
+    """One line, exit 2, where `path` (a file, or a folder) cannot be written: its folder by a file made and gone (a
+    read-only file system refuses it), as a file is written beside and renamed; an existing one written `in_place` by
+    its permissions."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != folder:
         fail(f"{flag} {path} cannot be written: it is a {'file, not a folder' if folder else 'folder'}")
@@ -148,7 +148,7 @@ def check_path(flag, path, folder=False, appended=False):
         parent = parent.parent
     if not parent.is_dir():
         fail(f"{flag} {path} cannot be written: {parent} is a file, not a folder")
-    target = path if path.exists() and appended else parent
+    target = path if path.exists() and in_place else parent
     try:
         if target.is_dir():
             tempfile.TemporaryFile(dir=target).close()
@@ -308,7 +308,7 @@ class LessonParser(Parser):
             self.error(wrong)
         if machine_refusal:  # after the flags' own refusals: a flag wrong whatever the machine is said first
             fail(machine_refusal)
-        check_path("--results", given.results, appended=True)  # each place the run writes, before any work
+        check_path("--results", given.results, in_place=True)  # each place the run writes, before any work
         check_path("--save-model", given.save_model)
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
@@ -532,7 +532,8 @@ def read_the_checkpoint_folder(given):
     if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
         precision = (latest.get("settings") or {}).get("precision")
-        where = f" on a machine whose device runs {precision}" if precision != given.precision else ""  # no flag
+        the_device_s = [difference.split()[0] for difference in differences] == ["precision"] and precision
+        where = f" on a machine whose device runs {precision}" if the_device_s else ""  # (no flag sets it)
         as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart

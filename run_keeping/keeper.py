@@ -363,8 +363,7 @@ class RunKeeper:
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
-        """What a checkpoint keeps of the figures and timing, the earlier sessions' too (by the keeper's clock: the
-        lesson's train() has not returned)."""
+        """What a checkpoint keeps: figures and timing, earlier sessions' too (the keeper's clock: train() runs on)."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
         figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
@@ -413,6 +412,8 @@ class RunKeeper:
         path = self.folder / str(latest.get("checkpoint"))
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {f"kept_{i}": kept for i, kept in enumerate(self.kept_too)}
+        if not path.exists():  # each strategy says it in its own words (FileNotFoundError, FSDP2's ValueError)
+            fail(f"--resume: cannot load {path} (it is not there); {start_over(self.args)}")
         try:
             if self.fabric:
                 self.fabric.load(path, state)  # the model, optimizer and the rest in place; progress and rng filled in

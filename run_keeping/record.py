@@ -102,10 +102,8 @@ def write_atomically(path, data, then="nothing else was changed"):
 
 def why_unloadable(error):
     """(what torch.load found wrong with a file, without torch's advice of weights_only=False (unsafe); whether the
-    file is whole: one torch.save wrote, whose contents do not fit, not a file gone, cut short or of another kind)."""
+    file is whole: one torch.save wrote, whose contents do not fit, not one cut short or of another kind)."""
     text = str(error)
-    if isinstance(error, FileNotFoundError):
-        return "it is not there", False
     if "Weights only load failed" in text:
         if found := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
             return f"it holds a {found.group(1)} object, not only tensors", True

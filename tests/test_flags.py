@@ -249,8 +249,8 @@ def test_each_place_is_tried_as_the_run_writes_it(tmp_path):
                 ("--results", closed / "runs.jsonl", True): None,
                 ("--results", open_ / "read-only.jsonl", True): "Permission denied"}
     try:
-        for (flag, path, appended), refused in expected.items():
-            call = f"check_path({flag!r}, {str(path)!r}, appended={appended})"
+        for (flag, path, in_place), refused in expected.items():
+            call = f"check_path({flag!r}, {str(path)!r}, in_place={in_place})"
             proc = subprocess.run([*prefix, sys.executable, "-c", f"{code}{call}"], cwd=ROOT, capture_output=True,
                                   text=True, timeout=60)
             if refused:
