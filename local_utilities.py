@@ -74,8 +74,7 @@ def cifar10_datasets(data_dir, download=True):
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
         fail(f"CIFAR-10 is not in {where} and could not be downloaded ({why}). {fetch}.")
-    # CIFAR-10's 50,000: 45,000; a smaller CIFAR-10 of the same format (the tests') splits in the same proportion
-    num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000
+    num_train = len(train_full) * 9 // 10  # CIFAR-10's 50,000: 45,000; a smaller one of its format (the tests') alike
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
 
@@ -113,8 +112,8 @@ def synthetic_datasets(args, device=None):
 
 
 def smoke_vit():
-    """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (with 4 of 16, random init
-    read the digits as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
+    """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (in 4 patches of 16, random init
+    read the digits almost as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
     size = SMOKE_IMAGE_SIZE
     return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)
 

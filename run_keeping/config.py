@@ -221,7 +221,7 @@ class LessonParser(Parser):
         switch = dict(action="store_true")
         add("--smoke", **switch, help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
         add("--synthetic", **switch, help="random images and labels, random init: for throughput and memory")
-        steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
+        steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}); fewer: recorded as cut short"
         add("--max-steps", **number, help=steps)
         add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {self.shape['smoke_epochs']})")
         add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
@@ -390,7 +390,7 @@ def place_processes(given, parser):
     if accelerator == "cuda" and count > gpus and not refusal:
         refusal = fewer_gpus_line(given, parser, count, gpus)
     cores = os.cpu_count() or 1
-    if accelerator == "cpu" and count > max(4, cores):  # up to 4 share any machine's cores, as the smoke runs' 2 do
+    if accelerator == "cpu" and count > max(4, cores):  # up to 4 processes even on fewer cores (the tests' TP 2 x DP 2)
         parser.error(f"--devices {count}: on a CPU each process needs a core; this machine has {cores}")
     world = count * num_nodes
     if group < 1 or world % group:
@@ -460,8 +460,9 @@ def settle_sizes(given, parser, kind, places):
         largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
         parser.error(f"--batch-size {batch}: {none} {largest}")
     per_epoch = max_steps if images is None else images // replicas // batch  # the loader drops a last part
-    if max_steps:
-        per_epoch = min(per_epoch, max_steps)
+    if images is not None and max_steps and max_steps >= per_epoch:  # it cuts nothing: a whole run, named as one
+        max_steps = None
+    per_epoch = max_steps or per_epoch  # cut short to --max-steps
     sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=per_epoch * epochs)
     sizes |= dict(whole=given.synthetic or max_steps is None, batch_note=note)
     synthetic_steps = SYNTHETIC_STEPS if given.synthetic else None
@@ -477,7 +478,7 @@ def check_launch(given, takes_devices):
     problem = None
     asked = f"--devices {given.devices} --num-nodes {given.num_nodes}{'' if takes_devices else ' (one process)'}"
     job = env.get("SLURM_JOB_NAME")
-    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments; processes Lightning starts inherit ours
+    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments; processes Lightning starts inherit set_up's
     setting_fabric = [f"{name}={value}" for name, value in env.items() if name.startswith("LT_")]
     setting_fabric = [setting for setting in setting_fabric if setting != f"LT_PRECISION={given.precision}"]
     if "LT_CLI_USED" in env:  # Fabric then refuses its arguments where they differ from `fabric run`'s flags
@@ -532,8 +533,8 @@ def read_the_checkpoint_folder(given):
     if latest and (differences := made_with(given, latest)):
         made = f"the checkpoint in {folder} was made with {', '.join(differences)}"
         precision = (latest.get("settings") or {}).get("precision")
-        the_device_s = [difference.split()[0] for difference in differences] == ["precision"] and precision
-        where = f" on a machine whose device runs {precision}" if the_device_s else ""  # (no flag sets it)
+        precision_alone = all(difference.startswith("precision ") for difference in differences)  # no flag sets it
+        where = f" on a machine whose device runs {precision}" if precision_alone and precision else ""
         as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart

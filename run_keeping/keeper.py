@@ -1,6 +1,6 @@
 """RunKeeper, `with RunKeeper(args) as keeper:` around a lesson's run (its Fabric(...) inside): the one owner of what
-a run changes in its process, each change set beside its undoing, and undone as the block is left, however the run
-ended, after one line and an exit code. It also resumes, checkpoints, times and records the run: docs/run-keeping.md."""
+a run changes in its process (set_up: each change beside its undoing, and what Lightning's launcher changes put back),
+all undone as the block ends, after one line and an exit code. It checkpoints and records too: docs/run-keeping.md"""
 
 import contextlib
 import fcntl
@@ -60,10 +60,10 @@ class RunKeeper:
         self.rank = 0
         self.world_size = 1
         self.precision_ran = "32-true"  # Fabric's (start): args.precision, unless Fabric was made before the block
-        # how the run ends: the signal that stopped it, one noted while it must not, whether the run finished
+        # how the run ends: the signal that stopped it, one deferred while a step must be whole, whether it finished
         self.signum = signal.SIGINT
-        self.noting = False
-        self.noted: signal.Signals | None = None
+        self.deferring = False
+        self.deferred: signal.Signals | None = None
         self.finished = False
         # what before_training() is handed, and what else each checkpoint keeps (keep_in_checkpoints)
         self.model: Any = None
@@ -101,14 +101,14 @@ class RunKeeper:
 
     def __enter__(self):
         try:
-            with self.signals_noted():  # a signal while the run's changes are made is raised once they all are
+            with self.signals_deferred():  # a signal while the run's changes are made is raised once they all are
                 self.set_up()
             return self
         except KeyboardInterrupt as stop:  # a signal during the set-up, as if at the block's first line: __exit__
             self.__exit__(KeyboardInterrupt, stop, None)  # says its line, undoes all and raises SystemExit(130 or 143)
             raise  # (not reached)
         except BaseException:
-            self.noting = True  # a signal during the undo is only noted: the changes are undone whole
+            self.deferring = True  # a signal during the undo is only deferred: the changes are undone whole
             self.undo.close()
             raise
 
@@ -133,30 +133,30 @@ class RunKeeper:
 
     def on_signal(self, signum, frame):
         """Ctrl-C or SIGTERM: a KeyboardInterrupt wherever the run is; while it does what must be whole (its set-up, a
-        checkpoint's name, the finished run's files, its end), noted and acted on once that is done."""
-        if self.noting:
-            self.noted = self.noted or signal.Signals(signum)
+        checkpoint's name, the finished run's files, its end), deferred and acted on once that is done."""
+        if self.deferring:
+            self.deferred = self.deferred or signal.Signals(signum)
         else:
             self.signum = signal.Signals(signum)
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
-    def signals_noted(self):
-        """A signal meanwhile is noted, and raised once the block is done (not where it fails: its error is said)."""
-        noting = self.noting  # as found: set again after the block
-        self.noting = True
+    def signals_deferred(self):
+        """A signal meanwhile is deferred, and raised once the block is done (not where it fails: its error is said)."""
+        deferring = self.deferring  # as found: set again after the block
+        self.deferring = True
         try:
             yield
         finally:
-            self.noting = noting
-        if self.noted and not noting:  # nested in another: that one raises it
-            self.signum, self.noted = self.noted, None
+            self.deferring = deferring
+        if self.deferred and not deferring:  # nested in another: that one raises it
+            self.signum, self.deferred = self.deferred, None
             raise KeyboardInterrupt
 
     def __exit__(self, exc_type, error, tb):
         """How the run ended, in one line and an exit code (a finished run says nothing more); then every change the
         run made is undone, however it ended. An error nothing explains leaves the block with its traceback."""
-        self.noting = True  # a signal from here on is noted, said below
+        self.deferring = True  # a signal from here on is deferred, said below
         distributed = torch.distributed.is_initialized()
         gloo = distributed and torch.distributed.get_backend() == "gloo"
         try:
@@ -168,8 +168,8 @@ class RunKeeper:
                 torch.distributed.destroy_process_group()  # as torchtitan: only where every process met at the end
         finally:
             self.undo.close()  # the folder let go of, then the process as found, Python's handlers last
-        if code == 0 and self.noted:  # a signal as the finished run wrote its files, or since: its line and code
-            line, code = self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
+        if code == 0 and self.deferred:  # a signal as the finished run wrote its files, or since: its line and code
+            line, code = self.interrupted_line(self.deferred), EXIT_ON_SIGNAL[self.deferred]
             self.say_the_end(line, error)
         unexplained = line is None and not isinstance(error, (SystemExit, KeyboardInterrupt, type(None)))
         if gloo:
@@ -206,8 +206,8 @@ class RunKeeper:
         finished = f"the run finished: its record is in {self.args.results}"
         deadline = time.monotonic() + MEET_WITHIN
         while not met.is_completed():
-            if self.noted:
-                return self.interrupted_line(self.noted), EXIT_ON_SIGNAL[self.noted]
+            if self.deferred:
+                return self.interrupted_line(self.deferred), EXIT_ON_SIGNAL[self.deferred]
             if time.monotonic() > deadline:
                 lost = f"another process did not reach the run's end within {MEET_WITHIN} s (lost, or stuck)"
                 return f"error: {lost}; {finished}.", 3
@@ -257,7 +257,7 @@ class RunKeeper:
     def take_the_folder(self):
         """Process 0 holds the folder's lock while the run runs, and lets go of it as the block is left."""
         if self.rank == 0:
-            with self.signals_noted():  # the lock taken and its letting go set beside it, as one step
+            with self.signals_deferred():  # the lock taken and its letting go set beside it, as one step
                 ours = [self.folder, self.folder.parent] if self.args.checkpoint_dir_is_default else []
                 lock = FolderLock(self.folder, ours)
                 self.undo.callback(lock.release)
@@ -308,8 +308,8 @@ class RunKeeper:
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
-        """Times each epoch from the end of its first optimizer step (from this session's WARMUP_STEPS-th on: start-up
-        and compilation untimed) to its last batch: its images and seconds. The GPU's peak counts from that step too."""
+        """Untimed: each epoch's first optimizer step and this session's first WARMUP_STEPS (start-up, compilation);
+        timed from there to the epoch's last batch, its images and seconds. The GPU's peak counts from the same step."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -387,7 +387,7 @@ class RunKeeper:
             else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
                 plain = {key: value.state_dict() for key, value in state.items() if key not in ("progress", "rng")}
                 write_whole(partial, plain | {"progress": state["progress"], "rng": state["rng"]})
-            with self.signals_noted():  # the checkpoint named whole, the one before removed, as one step
+            with self.signals_deferred():  # the checkpoint named whole, the one before removed, as one step
                 if self.rank == 0:
                     os.replace(partial, final)
                     latest = latest_json(self.args, name, done)
@@ -440,7 +440,7 @@ class RunKeeper:
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        self.noting = True  # for good: a signal waits until the files are written, and __exit__ says it as the run ends
+        self.deferring = True  # for good: a signal waits until the files are written; __exit__ says it as the run ends
         args = self.args
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
@@ -621,7 +621,7 @@ class FolderLock:
                     fail(in_progress(folder))
                 raise
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                break  # not a .lock that the run before removed as this one opened it
+                break  # held; else the .lock opened was removed meanwhile by a run letting go of it: open again
             os.close(self.fd)
         since = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
         try:

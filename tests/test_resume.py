@@ -524,6 +524,19 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
+def test_a_max_steps_that_cuts_nothing_is_a_whole_run(parse):
+    """--max-steps at or over an epoch's optimizer steps trains every batch: the run is whole, named and recorded as
+    the run without it (never "CUT SHORT", which plot_results.py and 08 leave out); one step fewer cuts it short."""
+    per_epoch = lu.SMOKE_TRAIN // 16  # the smoke digits in batches of 16, a last part dropped
+    plain = parse()
+    for steps in (per_epoch, per_epoch + 1):
+        whole = parse("--max-steps", str(steps))
+        assert (whole.whole, whole.max_steps, whole.steps, whole.save_model) == (True, None, plain.steps, plain.save_model)
+    cut = parse("--max-steps", str(per_epoch - 1))
+    assert (cut.whole, cut.max_steps, cut.steps) == (False, per_epoch - 1, plain.epochs * (per_epoch - 1))
+    assert f"max-steps{per_epoch - 1}" in cut.save_model
+
+
 @pytest.mark.parametrize("meta, words", [
     ({"script": "03_fabric-vit.py"}, ["script 03_fabric-vit.py (now 01_pytorch-vit.py)"]),
     ({"kind": "smoke-synthetic"}, ["kind smoke-synthetic (now smoke)"]),
