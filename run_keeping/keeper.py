@@ -94,7 +94,7 @@ class RunKeeper:
         """The epoch in progress, empty: batch_done fills it (its loss sum and first bad batch on the device)."""
         self.batch_in_epoch = 0
         self.epoch_loss: torch.Tensor | None = None
-        self.first_bad = torch.tensor(-1.0)
+        self.first_bad = torch.tensor(-1.0)  # none yet; moved to the loss's device at the epoch's first batch
         self.epoch_lr = 0.0
         self.timed_since: float | None = None  # the epoch's timer, from its first optimizer step's end (time_the_step)
         self.epoch_images = 0
@@ -297,7 +297,7 @@ class RunKeeper:
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)
-            self.first_bad = torch.full_like(loss, -1)
+            self.first_bad = self.first_bad.to(loss.device)
             self.epoch_lr = self.optimizer.param_groups[0]["lr"]  # the rate the epoch starts at
         self.epoch_loss = self.epoch_loss + loss  # once not finite, it stays so
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
@@ -506,7 +506,7 @@ class RunKeeper:
 def latest_json(args, name, epochs_done):
     """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
     launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
-    settings = {key: getattr(args, key) for key in SETTINGS} | args.own  # the record's "settings": the own alone
+    settings = {key: getattr(args, key) for key in SETTINGS} | args.own  # (a record has SETTINGS as its own columns)
     made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
     return {"checkpoint": name, "epochs_done": epochs_done} | made | {"launch": launch}
 
