@@ -1,7 +1,7 @@
 """A lesson's command line: the flags every lesson shares, then the lesson's own, in argparse's words. parse_args()
 reads the flags, the machine and the checkpoint folder, refuses in one line (exit 2) what the run cannot do, and
-returns the run's settings (Settings). It sets nothing in the process (it starts CUDA's runtime to count the GPUs,
-which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py). docs/run-keeping.md"""
+returns the run's settings (Settings). It changes nothing in the process but CUDA's runtime, started to count the GPUs
+(which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py). docs/run-keeping.md"""
 
 import argparse
 import ast
@@ -376,7 +376,7 @@ def place_processes(given, parser):
     refusal = unusable_gpu_line(torch_says) if torch_says else None  # the first of three: torch's, no GPU, too few
     accelerator = given.accelerator
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
-        accelerator = "cuda" if gpus and not given.smoke else "cpu"
+        accelerator = "cuda" if gpus else "cpu"  # (--smoke: none counted)
         if not gpus and not given.smoke and not refusal:
             hint = invoked(*started_flags(), "--smoke", *(["--resume"] if given.resume else []))
             cpu = f"A full run on a CPU takes about a day: try {hint}, or add --accelerator cpu to insist."
@@ -443,8 +443,9 @@ def settle_sizes(given, parser, kind, places):
         default_epochs = 1
     epochs = given.epochs or default_epochs
     max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
-    if given.synthetic and max_steps <= WARMUP_STEPS and epochs == 1:
-        parser.error(f"--synthetic times the steps after {WARMUP_STEPS}: give --max-steps {WARMUP_STEPS + 1} or more")
+    if given.synthetic and (max_steps < 2 or max_steps * epochs <= WARMUP_STEPS):  # no step left to time
+        untimed = f"--synthetic times the steps after the first {WARMUP_STEPS}, and after each epoch's first"
+        parser.error(f"{untimed}: give --max-steps {WARMUP_STEPS + 1} or more")
     default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else parser.shape["batch_size"]
     batch = given.batch_size or default_batch
     if micro < 1 or batch % micro:
@@ -462,8 +463,7 @@ def settle_sizes(given, parser, kind, places):
     per_epoch = max_steps if images is None else images // replicas // batch  # the loader drops a last part
     if images is not None and max_steps and max_steps >= per_epoch:  # it cuts nothing: a whole run, named as one
         max_steps = None
-    per_epoch = max_steps or per_epoch  # cut short to --max-steps
-    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=per_epoch * epochs)
+    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=(max_steps or per_epoch) * epochs)
     sizes |= dict(whole=given.synthetic or max_steps is None, batch_note=note)
     synthetic_steps = SYNTHETIC_STEPS if given.synthetic else None
     return sizes, dict(epochs=default_epochs, batch_size=default_batch, max_steps=synthetic_steps)

@@ -68,9 +68,9 @@ def native_bf16(device_type):
         import torch
 
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()  # ALL and DEFAULT: oneDNN's own choice, no cap
     # oneDNN's ISA names that reach the bfloat16 units: AVX512_CORE_BF16, _FP16, _AMX (and _AMX_FP16), AVX10_1_512...
-    capped = cap != "ALL" and not any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10"))
+    capped = cap not in ("ALL", "DEFAULT") and not any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10"))
     return not capped and bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
 
 
@@ -90,7 +90,7 @@ def device_name(accelerator):
     model, flags = cpu_model_and_flags()
     units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    if cap and cap.upper() != "ALL":
+    if cap and cap.upper() not in ("ALL", "DEFAULT"):
         units.append(f"oneDNN capped at {cap} by ONEDNN_MAX_CPU_ISA")
     details = "".join(", " + unit for unit in units)
     return f"CPU {model or 'unknown'} ({os.cpu_count()} cores{details})"

@@ -149,7 +149,7 @@ class RunKeeper:
             yield
         finally:
             self.deferring = deferring
-        if self.deferred and not deferring:  # nested in another: that one raises it
+        if self.deferred and not deferring:  # (nested in another, the outer one raises it)
             self.signum, self.deferred = self.deferred, None
             raise KeyboardInterrupt
 
@@ -173,7 +173,7 @@ class RunKeeper:
             self.say_the_end(line, error)
         unexplained = line is None and not isinstance(error, (SystemExit, KeyboardInterrupt, type(None)))
         if gloo:
-            end_this_process(code, error if unexplained else None)
+            end_this_process(code, error if unexplained else None)  # at once: never gloo's teardown (its docstring)
         if code and not unexplained:
             raise SystemExit(code) from None
         return False  # finished, or Python's traceback and exit 1
@@ -363,7 +363,7 @@ class RunKeeper:
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
-        """What a checkpoint keeps: figures and timing, earlier sessions' too (the keeper's clock: train() runs on)."""
+        """What a checkpoint keeps: figures and timing, earlier sessions' too (by the keeper's clock)."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
         figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
@@ -402,7 +402,7 @@ class RunKeeper:
                 raise  # not the disk: a process of the run is gone (explain says so)
             if self.rank == 0:
                 remove(partial)
-            full = shutil.disk_usage(self.folder).free < 64 * 2**20  # torch says a full disk without strerror
+            full = shutil.disk_usage(self.folder).free < 64 * 2**20  # under 64 MiB; torch says it without strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
 
@@ -440,7 +440,7 @@ class RunKeeper:
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        self.deferring = True  # for good: a signal waits until the files are written; __exit__ says it as the run ends
+        self.deferring = True  # to the end: a signal waits until the files are written; __exit__ says it as it ends
         args = self.args
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
@@ -606,8 +606,8 @@ class FolderLock:
         self.unguarded = None  # why the file system took no lock (a second run is then not refused), or None
         made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]  # deepest first
         self.made = list(dict.fromkeys([*made, *ours]))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # again where a run letting go of it removed it
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

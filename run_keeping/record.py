@@ -18,8 +18,8 @@ VERSION = 5  # 5: settings by flag, data_parallel, precision_asked (reading.upgr
 
 
 def build(args, ran, compiled, measured):
-    """A finished run's record: its settings, the precision that ran, whether torch.compile wrapped the model, what
-    the keeper measured."""
+    """A finished run's record: its settings (the shared ones as columns, the lesson's own flags in "settings"), the
+    precision that ran, whether torch.compile wrapped the model, what the keeper measured."""
     import torch
 
     record = {"record_version": VERSION, "script": args.script, "kind": args.kind or "full"}

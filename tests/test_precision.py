@@ -36,12 +36,13 @@ def probe(tmp_path, **env):
 def test_the_detection_agrees_with_the_speed_and_the_rehearsals(tmp_path):
     """Whatever this CPU is: native bfloat16 is said exactly where bfloat16 runs at least a quarter
     of float32's rate. oneDNN capped at AVX2 is a CPU without it, on any machine; ATen's AVX2 code
-    is not (ATen's capability changes, oneDNN's kernels and the answer do not)."""
+    is not (ATen's capability changes, oneDNN's kernels and the answer do not), nor oneDNN's DEFAULT."""
     here, capped, aten = probe(tmp_path), probe(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2"), \
         probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
-    for seen in (here, capped, aten):
+    uncapped = probe(tmp_path, ONEDNN_MAX_CPU_ISA="DEFAULT")  # oneDNN's documented default: its own choice, no cap
+    for seen in (here, capped, aten, uncapped):
         assert seen["native"] == (seen["ratio"] >= EMULATED_BELOW), seen
-    assert not capped["native"]
+    assert not capped["native"] and uncapped["native"] == here["native"]
     assert aten["capability"] == "AVX2" and aten["native"] == here["native"]
 
 

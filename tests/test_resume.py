@@ -537,6 +537,20 @@ def test_a_max_steps_that_cuts_nothing_is_a_whole_run(parse):
     assert f"max-steps{per_epoch - 1}" in cut.save_model
 
 
+@pytest.mark.parametrize("steps, epochs, timed", [(1, 3, False), (2, 1, False), (2, 2, True), (4, 1, True)])
+def test_a_synthetic_run_with_no_step_to_time_is_refused(parse, capsys, steps, epochs, timed):
+    """--synthetic measures the steps after the run's first WARMUP_STEPS (3) and after each epoch's first: where none
+    is left (one step an epoch, or 3 in all), refused in one line as the flags are read; otherwise accepted."""
+    flags = ["--synthetic", "--max-steps", str(steps), "--epochs", str(epochs)]
+    if timed:
+        assert parse(*flags).steps == steps * epochs
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        parse(*flags)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "give --max-steps 4 or more" in err, err
+
+
 @pytest.mark.parametrize("meta, words", [
     ({"script": "03_fabric-vit.py"}, ["script 03_fabric-vit.py (now 01_pytorch-vit.py)"]),
     ({"kind": "smoke-synthetic"}, ["kind smoke-synthetic (now smoke)"]),

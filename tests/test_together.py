@@ -50,6 +50,32 @@ for i in range(int(sys.argv[3])):
 """
 
 
+def test_a_run_taking_the_folder_as_the_last_one_lets_go_of_it_holds_it(tmp_path, monkeypatch):
+    """Two runs of one default folder, the second opening its .lock just as the first lets go (which removes the
+    .lock and the folder, its own and empty): the second makes them again and holds the folder, saying so in .lock;
+    letting go, it leaves nothing."""
+    import fcntl
+    import os
+
+    from run_keeping.keeper import FolderLock
+
+    folder = tmp_path / "checkpoints" / "01_pytorch-vit-smoke"
+    first = FolderLock(folder, [folder, folder.parent])
+    flock, calls = fcntl.flock, []
+
+    def first_lets_go_meanwhile(fd, operation):  # between the second's open and its flock, once
+        if not calls:
+            first.release()
+        calls.append(fd)
+        return flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", first_lets_go_meanwhile)
+    second = FolderLock(folder, [folder, folder.parent])
+    assert len(calls) == 2 and f"process {os.getpid()} on " in (folder / ".lock").read_text()
+    second.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_many_processes_appending_at_once_leave_every_record_whole(tmp_path):
     """8 processes, started together, each appending 40 records of 3 kB to one file whose last
     line was left half-written (no newline) by a run killed mid-write: every new record is a
