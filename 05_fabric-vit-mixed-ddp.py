@@ -64,7 +64,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3, devices=4)  # [05] instead of lesson_parser(epochs=3): four devices
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (LT_PRECISION, the precision Fabric runs; Ctrl-C; the checkpoint folder), undone as the block ends: run_keeping/keeper.py
+    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (the precision Fabric runs, as LT_PRECISION; Ctrl-C and SIGTERM; warnings; torch's threads; the checkpoint folder's lock), each undone as the block ends: run_keeping/keeper.py's set_up (the lock: start)
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
             precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: parse_args reads this literal from the script's text, run_keeping/device.py's precision_that_runs decides, RunKeeper.set_up hands it to Fabric as LT_PRECISION, which Fabric takes over this argument)

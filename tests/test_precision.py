@@ -42,7 +42,7 @@ def test_the_detection_agrees_with_the_speed_and_the_rehearsals(tmp_path):
     uncapped = probe(tmp_path, ONEDNN_MAX_CPU_ISA="DEFAULT")  # oneDNN's documented default: its own choice, no cap
     for seen in (here, capped, aten, uncapped):
         assert seen["native"] == (seen["ratio"] >= EMULATED_BELOW), seen
-    assert not capped["native"] and uncapped["native"] == here["native"]
+    assert not capped["native"]
     assert aten["capability"] == "AVX2" and aten["native"] == here["native"]
 
 
