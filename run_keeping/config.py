@@ -108,7 +108,7 @@ def read_script(path):
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
         if name.split(".")[-1] == "Fabric" and "precision" in keywords:
             asked.add(text_literal(keywords["precision"]))
-        elif name.split(".")[-1] == "Fabric":  # perhaps in **options (keyword arg None); Fabric takes keywords only
+        elif name.split(".")[-1] == "Fabric":  # none written: Fabric's 32-true, unless a **options (arg None) holds one
             asked.add(None if None in keywords else "32-true")
         elif name == "torch.compile":
             said["compile_mode"] = text_literal(keywords.get("mode")) or "default"

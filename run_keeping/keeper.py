@@ -318,7 +318,7 @@ class RunKeeper:
             if self.batch_in_epoch == self.batches_per_epoch:
                 self.timed_images += self.epoch_images
                 self.timed_seconds += self.now() - self.timed_since
-        elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:  # the epoch's first step done, start-up over
+        elif optimizer_step and self.steps_this_session >= WARMUP_STEPS:  # a step past the warm-up: the timer starts
             self.timed_since = self.now()
             if self.steps_this_session == WARMUP_STEPS and self.args.accelerator == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -453,7 +453,7 @@ class RunKeeper:
         self.say(*closing_lines(train_time_s, peak, images_per_s, test_acc, self.checkpoint_s, waited))
         measured = dict(train_time_s=round(train_time_s, 3), images_per_s=images_per_s, peak_memory_gb=round(peak, 4))
         measured |= dict(train_loss=self.train_loss, lr=self.lr, val_acc=None if args.synthetic else self.val_acc)
-        cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # what the machine's load does not change
+        cpu_s = round(sum(resource.getrusage(resource.RUSAGE_SELF)[:2]), 3)  # user + system: the load changes neither
         measured |= dict(test_acc=test_acc, busy=waited > BUSY_WAIT, cpu_s=cpu_s)
         # torch.compile's wrapper, by the name of its class (torch keeps it in a private module)
         compiled = any(type(module).__name__ == "OptimizedModule" for module in model.modules())
