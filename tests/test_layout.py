@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -275,6 +276,18 @@ def lines_of_the_page(tag, number):
     blocks = re.findall(r"```python\n(.*?)```", page, re.S)
     lines = [line.strip() for block in blocks for line in block.splitlines() if f"# [{tag}]" in line]
     return [line.replace(f"# [{tag}]", f"# [{number}]") for line in lines]
+
+
+def test_a_function_the_page_adds_is_tagged_on_every_line():
+    """A function docs/adding-a-lesson.md shows a lesson adding has a tag on each of its lines, as the tag check
+    wants of every line a lesson adds (a contributor who copied the page's untagged body was refused)."""
+    page = (ROOT / "docs" / "adding-a-lesson.md").read_text()
+    blocks = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", page, re.S)]
+    functions = [f for block in blocks for f in re.findall(r"^def .*# \[\d+\].*\n(?:[ \t]+.*\n|\n)*", block, re.M)]
+    assert functions, "the page shows a function of a lesson's own"
+    for function in functions:
+        untagged = [line for line in function.splitlines() if line.strip() and not re.search(r"# \[\d+\]", line)]
+        assert not untagged, f"docs/adding-a-lesson.md: tag each line of the function it shows: {untagged}"
 
 
 @pytest.mark.slow

@@ -73,6 +73,19 @@ def test_every_kind_of_argparse_flag_reaches_the_name_the_record_and_resume(less
     assert defaults.steps == 2 * (1197 // 16)  # 2 smoke epochs of the 1,197 training digits
 
 
+def test_the_flags_page_shows_each_flag_as_its_help_does(lesson):
+    """The flags page's row of each own flag (tools/figures.py): a switch is off (store_true) or as its default
+    (BooleanOptionalAction, with the --no- name argparse adds), a value flag its default, each by its lesson."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import figures
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    rows = {row[0]: (row[1], row[3]) for row in figures.flag_rows(lesson)}
+    assert rows["`--ema-eval, --no-ema-eval`"] == ("my", "`on`") and rows["`--ema`"] == ("my", "`off`")
+    assert rows["`--label-smoothing`"] == ("my", "`0.0`") and rows["`--sgd-momentum`"] == ("my", "`None`")
+
+
 def test_resume_says_a_lessons_changed_flags_in_words_not_pythons(lesson, tmp_path, capsys):
     """--resume with a lesson's own flags changed names each in the line's words: a switch on or off (--no-bias on
     where it was given), a flag whose default is None unset, a list by commas, never Python's True, None or [8, 4]."""

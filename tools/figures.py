@@ -251,15 +251,26 @@ def epochs():
 
 def lesson_flags():
     """docs/flags-records-exit-codes.md: each lesson's own flags, as its script declares them (add_argument)."""
-    from run_keeping.reading import lesson_flags
     rows = []
     for script in (script for script, row in lessons().items() if row["epochs"]):  # 08 is a program of its own
-        for names, keywords in lesson_flags(script):
-            takes = [f"`{k}={v}`" for k, v in keywords.items() if k in ("type", "choices", "action", "nargs", "dest")]
-            default = "off" if "store_true" in keywords.get("action", "") else keywords.get("default", "None")
-            rows.append([f"`{', '.join(map(str, names))}`", script[:2], ", ".join(takes), f"`{default}`",
-                         " ".join(literal_text(keywords.get("help", "")).split())])
+        rows += flag_rows(script)
     return "\n".join(markdown_table(["flag", "lesson", "declared with", "default", ""], rows))
+
+
+def flag_rows(script):
+    """The flags table's row of each of a lesson's own flags: its names, the lesson, its declaration, default, help."""
+    from run_keeping.reading import lesson_flags
+    rows = []
+    for names, keywords in lesson_flags(script):
+        takes = [f"`{k}={v}`" for k, v in keywords.items() if k in ("type", "choices", "action", "nargs", "dest")]
+        action = keywords.get("action", "")
+        default = "off" if "store_true" in action else keywords.get("default", "None")
+        if "BooleanOptionalAction" in action:  # argparse adds --no-NAME to each --NAME; its default is on or off
+            names = [*names, *(f"--no-{name[2:]}" for name in names if str(name).startswith("--"))]
+            default = "on" if keywords.get("default") == "True" else "off"
+        rows.append([f"`{', '.join(map(str, names))}`", Path(script).name[:2], ", ".join(takes), f"`{default}`",
+                     " ".join(literal_text(keywords.get("help", "")).split())])
+    return rows
 
 
 def literal_text(source):
