@@ -221,7 +221,7 @@ class LessonParser(Parser):
         switch = dict(action="store_true")
         add("--smoke", **switch, help="offline demo on the CPU: a small ViT on 8x8 digits (docs/smoke.md)")
         add("--synthetic", **switch, help="random images and labels, random init: for throughput and memory")
-        steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}); fewer: recorded as cut short"
+        steps = f"train N optimizer steps per epoch (--synthetic: {SYNTHETIC_STEPS}, one epoch); recorded as cut short"
         add("--max-steps", **number, help=steps)
         add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {self.shape['smoke_epochs']})")
         add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
@@ -460,10 +460,10 @@ def settle_sizes(given, parser, kind, places):
         none = f"the {images:,} training images of a {kind or 'full'} run make no batch of {batch} for each of"
         largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
         parser.error(f"--batch-size {batch}: {none} {largest}")
-    per_epoch = max_steps if images is None else images // replicas // batch  # the loader drops a last part
-    if images is not None and max_steps and max_steps >= per_epoch:  # it cuts nothing: a whole run, named as one
-        max_steps = None
-    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=(max_steps or per_epoch) * epochs)
+    # each replica's share padded up (Fabric's distributed sampler), in batches (the loader drops a last part)
+    per_epoch = max_steps if images is None else (images + replicas - 1) // replicas // batch
+    per_epoch = min(per_epoch, max_steps or per_epoch)  # --max-steps cuts it short
+    sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=per_epoch * epochs)
     sizes |= dict(whole=given.synthetic or max_steps is None, batch_note=note)
     synthetic_steps = SYNTHETIC_STEPS if given.synthetic else None
     return sizes, dict(epochs=default_epochs, batch_size=default_batch, max_steps=synthetic_steps)

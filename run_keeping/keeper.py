@@ -60,7 +60,7 @@ class RunKeeper:
         self.rank = 0
         self.world_size = 1
         self.precision_ran = "32-true"  # Fabric's (start): args.precision, unless Fabric was made before the block
-        # how the run ends: the signal that stopped it, one deferred while a step must be whole, whether it finished
+        # how the run ends: its signal, one deferred while a step must be whole (set_up, a save, its end), whether done
         self.signum = signal.SIGINT
         self.deferring = False
         self.deferred: signal.Signals | None = None

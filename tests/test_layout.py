@@ -283,7 +283,7 @@ def test_a_function_the_page_adds_is_tagged_on_every_line():
     wants of every line a lesson adds (a contributor who copied the page's untagged body was refused)."""
     page = (ROOT / "docs" / "adding-a-lesson.md").read_text()
     blocks = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", page, re.S)]
-    functions = [f for block in blocks for f in re.findall(r"^def .*# \[\d+\].*\n(?:[ \t]+.*\n|\n)*", block, re.M)]
+    functions = [f for block in blocks for f in re.findall(r"^def .*\n(?:[ \t]+.*\n|\n)*", block, re.M)]
     assert functions, "the page shows a function of a lesson's own"
     for function in functions:
         untagged = [line for line in function.splitlines() if line.strip() and not re.search(r"# \[\d+\]", line)]

@@ -84,6 +84,7 @@ def test_the_flags_page_shows_each_flag_as_its_help_does(lesson):
     rows = {row[0]: (row[1], row[3]) for row in figures.flag_rows(lesson)}
     assert rows["`--ema-eval, --no-ema-eval`"] == ("my", "`on`") and rows["`--ema`"] == ("my", "`off`")
     assert rows["`--label-smoothing`"] == ("my", "`0.0`") and rows["`--sgd-momentum`"] == ("my", "`None`")
+    assert rows["`--no-bias`"] == ("my", "`on`")  # store_false: the switch is on until given
 
 
 def test_resume_says_a_lessons_changed_flags_in_words_not_pythons(lesson, tmp_path, capsys):

@@ -223,3 +223,16 @@ def test_only_a_precision_that_computes_in_bfloat16_falls_back_and_only_a_fallba
     assert precision_that_runs("16-mixed", "cuda") == "16-mixed"  # a GPU's float16: no bfloat16 in it
     as_asked = argparse.Namespace(precision_asked="16-mixed", precision="16-mixed", accelerator="cpu")
     assert fallback_line(as_asked, "bf16-mixed") is None
+
+
+def test_onednns_default_is_no_cap(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=DEFAULT, oneDNN's documented default (its own choice), is as if unset: bfloat16 as native,
+    and the CPU's name saying no cap; AVX2 is a cap, said in the name, and bfloat16 not native."""
+    from run_keeping.device import device_name, native_bf16 as native
+
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    unset = (native("cpu"), device_name("cpu"))
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "DEFAULT")
+    assert (native("cpu"), device_name("cpu")) == unset
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not native("cpu") and "oneDNN capped at AVX2 by ONEDNN_MAX_CPU_ISA" in device_name("cpu")

@@ -524,20 +524,25 @@ def test_resume_refuses_changed_settings(parse, tmp_path, capsys, flags, differe
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
-def test_a_max_steps_that_cuts_nothing_is_a_whole_run(parse):
-    """--max-steps at or over an epoch's optimizer steps trains every batch: the run is whole, named and recorded as
-    the run without it (never "CUT SHORT", which plot_results.py and 08 leave out); one step fewer cuts it short."""
-    per_epoch = lu.SMOKE_TRAIN // 16  # the smoke digits in batches of 16, a last part dropped
-    plain = parse()
-    for steps in (per_epoch, per_epoch + 1):
-        whole = parse("--max-steps", str(steps))
-        assert (whole.whole, whole.max_steps, whole.steps, whole.save_model) == (True, None, plain.steps, plain.save_model)
-    cut = parse("--max-steps", str(per_epoch - 1))
-    assert (cut.whole, cut.max_steps, cut.steps) == (False, per_epoch - 1, plain.epochs * (per_epoch - 1))
-    assert f"max-steps{per_epoch - 1}" in cut.save_model
+def test_the_steps_are_those_the_loader_hands_out_and_any_max_steps_marks_a_debugging_run(parse):
+    """args.steps (what a schedule counts to) is the optimizer steps each process's loader hands out: its share of the
+    digits as torch's DistributedSampler pads it (Fabric's), in whole batches. --max-steps, cutting or not, marks the
+    run as a debugging one: not whole, named by it (an N of an epoch's steps or more trains what the run would)."""
+    from torch.utils.data import DistributedSampler, TensorDataset
+
+    for processes in (1, 2, 3, 4):
+        args = parse("--accelerator", "cpu", "--devices", str(processes), script="05_fabric-vit-mixed-ddp.py")
+        share = len(DistributedSampler(TensorDataset(torch.zeros(lu.SMOKE_TRAIN)), num_replicas=processes, rank=0))
+        assert args.steps == args.epochs * (share // args.batch_size), (processes, args.batch_size)
+    per_epoch = lu.SMOKE_TRAIN // 16
+    for steps in (per_epoch - 1, per_epoch, per_epoch + 1):
+        cut = parse("--max-steps", str(steps))
+        assert (cut.whole, cut.max_steps, cut.steps) == (False, steps, cut.epochs * min(steps, per_epoch))
+        assert f"max-steps{steps}" in cut.save_model
 
 
-@pytest.mark.parametrize("steps, epochs, timed", [(1, 3, False), (2, 1, False), (2, 2, True), (4, 1, True)])
+@pytest.mark.parametrize("steps, epochs, timed", [(1, 3, False), (1, 4, False), (2, 1, False), (3, 1, False),
+                                                   (2, 2, True), (4, 1, True)])
 def test_a_synthetic_run_with_no_step_to_time_is_refused(parse, capsys, steps, epochs, timed):
     """--synthetic measures the steps after the run's first WARMUP_STEPS (3) and after each epoch's first: where none
     is left (one step an epoch, or 3 in all), refused in one line as the flags are read; otherwise accepted."""

@@ -264,7 +264,9 @@ def flag_rows(script):
     for names, keywords in lesson_flags(script):
         takes = [f"`{k}={v}`" for k, v in keywords.items() if k in ("type", "choices", "action", "nargs", "dest")]
         action = keywords.get("action", "")
-        default = "off" if "store_true" in action else keywords.get("default", "None")
+        default = keywords.get("default", "None")
+        if "store_true" in action or "store_false" in action:
+            default = "off" if "store_true" in action else "on"
         if "BooleanOptionalAction" in action:  # argparse adds --no-NAME to each --NAME; its default is on or off
             names = [*names, *(f"--no-{name[2:]}" for name in names if str(name).startswith("--"))]
             default = "on" if keywords.get("default") == "True" else "off"
