@@ -137,9 +137,9 @@ def own_tags(text):
 
 
 def check_path(flag, path, folder=False, in_place=False):
-    """One line, exit 2, where `path` (a file, or a folder) cannot be written: its folder by a file made and gone (a
-    read-only file system refuses it), as a file is written beside and renamed; an existing one written `in_place` by
-    its permissions."""
+    """One line, exit 2, where `path` (a file, or a folder) cannot be written. Tried as the run writes it: its folder by
+    making and removing a file there (a file is written beside, then renamed into place); an existing file written
+    `in_place` (appended to) by its permissions."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != folder:
         fail(f"{flag} {path} cannot be written: it is a {'file, not a folder' if folder else 'folder'}")
@@ -210,7 +210,7 @@ class LessonParser(Parser):
     def __init__(self, epochs, devices=None, batch_size=16, num_workers_flag=True, train_images=None, check=None):
         self.own_flags: list = []  # the lesson's flags, as add_argument returns them
         self.lessons_turn = False  # True once argparse and this added the shared flags: a flag then is the lesson's
-        # the description's lines as written; a flag only as written whole (the commands a run prints repeat them)
+        # the description's lines as written; allow_abbrev=False: a flag only whole, as the commands a run prints are
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
         self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
@@ -302,8 +302,7 @@ class LessonParser(Parser):
         given.save_model = given.save_model or f"models/{name}.pt"
         given.checkpoint_dir_is_default = not given.checkpoint_dir
         given.checkpoint_dir = given.checkpoint_dir or f"checkpoints/{name}"
-        if getattr(given, "num_workers", None) is None:
-            given.num_workers = 4
+        given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers  # --help's 4
         if self.check and (wrong := self.check(given)):
             self.error(wrong)
         if machine_refusal:  # after the flags' own refusals: a flag wrong whatever the machine is said first
@@ -313,7 +312,8 @@ class LessonParser(Parser):
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
             fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-        if not kind and not given.no_download:
+        downloaded = (Path(given.data_dir) / "cifar-10-batches-py").is_dir()  # then only read (torchvision checks it)
+        if not kind and not given.no_download and not downloaded:
             check_path("--data-dir", given.data_dir, folder=True)
         check_launch(given, takes_devices=self.shape["devices"] is not None)
         given.restart = read_the_checkpoint_folder(given)
@@ -488,11 +488,11 @@ def check_launch(given, takes_devices):
         problem += " flags: unset it"
     elif "SLURM_NTASKS" in env and job not in SLURM_INTERACTIVE_JOBS:
         ntasks, nodes = int(env["SLURM_NTASKS"]), int(env.get("SLURM_NNODES", "1"))  # SLURM's sizes
-        per_node = int(env.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
+        per_node = int(env.get("SLURM_NTASKS_PER_NODE", ntasks))  # set by --ntasks-per-node alone
         if "SLURM_STEP_ID" not in env and ntasks > 1:
             problem = f"SLURM gave this job {ntasks} tasks, but this process was started without srun, so it would"
             problem += f" wait for the others forever: start it with srun {invoked(*sys.argv[1:])}"
-        elif "SLURM_NTASKS_PER_NODE" not in env:
+        elif "SLURM_NTASKS_PER_NODE" not in env and ntasks > 1:  # one task (srun -n 1) is one process anywhere
             problem = f"SLURM started {ntasks} tasks with --ntasks, which does not say how many run on each machine:"
             problem += " use #SBATCH --ntasks-per-node (one task per GPU) instead"
         elif (per_node, nodes) != (given.devices, given.num_nodes):

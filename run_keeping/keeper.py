@@ -59,7 +59,7 @@ class RunKeeper:
         self.fabric: Any = None
         self.rank = 0
         self.world_size = 1
-        self.precision_ran = "32-true"  # Fabric's (start): args.precision, unless Fabric was made before the block
+        self.precision_ran = "32-true"  # 00-02's, plain PyTorch; start(fabric) takes Fabric's (args.precision)
         # how the run ends: its signal, one deferred while a step must be whole (set_up, a save, its end), whether done
         self.signum = signal.SIGINT
         self.deferring = False
@@ -117,7 +117,7 @@ class RunKeeper:
         # Ctrl-C and SIGTERM: from here to the run's end, one line and 130 or 143
         for signum in EXIT_ON_SIGNAL:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored signals stay ignored
-                self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)
+                self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)  # None: set in C
                 signal.signal(signum, self.on_signal)
         # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK ...), and LT_PRECISION,
         # the precision that runs, which Fabric takes over its argument, as from `fabric run` (fabric/connector.py)
@@ -443,7 +443,7 @@ class RunKeeper:
         self.deferring = True  # to the end: a signal waits until the files are written; __exit__ says it as it ends
         args = self.args
         test_acc = None if args.synthetic else test_acc
-        train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk wrote none
+        train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk saved none
         images, seconds = self.timed_totals()
         this_process = [max(self.peak_gb, peak_memory_gb(args.accelerator)), waiting_share(self.cpu_at_start)]
         peak, waited = map(float, reduced(self.fabric, torch.tensor(this_process, dtype=torch.float64), "max"))
@@ -490,7 +490,7 @@ class RunKeeper:
             if self.args.resume or self.args.restart:
                 kept = f"{self.folder} is as it was: continue with: {resume_command()}"
                 return f"interrupted ({name}) while starting; {kept}"
-            return f"interrupted ({name}) while starting; nothing was written."
+            return f"interrupted ({name}) while starting; no checkpoint, model or record was written."
         trained = len(self.train_loss)
         losing = ""
         if trained > self.epochs_kept:  # between an epoch's end and its checkpoint's name in latest.json

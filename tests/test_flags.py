@@ -224,6 +224,27 @@ def test_a_read_only_place_is_named_so_before_any_work(tmp_path, places, capsys,
         assert f"{flag} {places['read-only']} cannot be written: " in err and "is on a read-only file system" in err
 
 
+def test_a_cifar10_already_on_a_read_only_file_system_is_only_read(tmp_path, capsys):
+    """--data-dir on a read-only file system: where CIFAR-10's folder is, the run only reads it (torchvision checks its
+    files and downloads nothing), so it is not refused; where it is not, its download could not be written: refused
+    in one line, before any work."""
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mounted)], capture_output=True).returncode:
+        pytest.skip("this machine cannot mount a file system for the test")
+    try:
+        (mounted / "downloaded" / "cifar-10-batches-py").mkdir(parents=True)
+        (mounted / "empty").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(mounted)], check=True)
+        assert parse_as("01_pytorch-vit.py", "--accelerator", "cpu", "--data-dir", str(mounted / "downloaded"))
+        with pytest.raises(SystemExit) as exit_info:
+            parse_as("01_pytorch-vit.py", "--accelerator", "cpu", "--data-dir", str(mounted / "empty"))
+        err = capsys.readouterr().err.strip()
+        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "is on a read-only file system" in err, err
+    finally:
+        subprocess.run(["umount", str(mounted)], capture_output=True)
+
+
 def test_each_place_is_tried_as_the_run_writes_it(tmp_path):
     """The model file is written beside itself and renamed into place, so its folder is what must take a file: a
     writable model file in a folder that takes none is refused before any work, and a read-only one in a folder that

@@ -136,7 +136,7 @@ def test_refused_interrupted_and_finished_runs_leave_the_interpreter_as_found(sc
     assert code == 2 and "epoch-0001.ckpt" in printed[-1] and interpreter() == as_found, printed
     assert not (folder / ".lock").exists()
     code, printed = run_here(script, *SHORT, stop_at=1)
-    assert code == 130 and printed[-1] == f"{script}: interrupted (SIGINT) while starting; nothing was written.\n"
+    assert code == 130 and printed[-1] == f"{script}: interrupted (SIGINT) while starting; no checkpoint, model or record was written.\n"
     assert interpreter() == as_found and not (tmp_path / "checkpoints").exists(), printed
     code, printed = run_here(script, *SHORT)
     assert code == 0 and printed[-1].startswith("Run record appended") and interpreter() == as_found, printed
@@ -232,6 +232,6 @@ def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, t
             sys.settrace(tracer)
         if lines >= stop_at:
             assert code == 130, (stop_at, code, printed)
-            assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; nothing was written.\n"
+            assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; no checkpoint, model or record was written.\n"
             assert not any("Traceback" in line for line in printed) and interpreter() == as_found, (stop_at, printed)
     assert stop_at > 10, stop_at  # set_up's lines were each reached

@@ -287,7 +287,7 @@ def test_a_signal_while_a_run_is_starting_is_one_line(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 143 and "Traceback" not in out, out[-2000:]
     assert out.strip().splitlines()[-1] == ("04_fabric-vit-mixed-precision.py: interrupted (SIGTERM) while starting; "
-                                           "nothing was written."), out[-2000:]
+                                           "no checkpoint, model or record was written."), out[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["site"]
 
 

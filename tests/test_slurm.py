@@ -81,7 +81,7 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     again with no edit, continues from that batch, and finishes as the same run uninterrupted
     (06 --smoke on 2 processes: the same maths whoever starts them). Then a launch whose task
     counts are not the flags', and one under srun --pty bash's job name for several machines:
-    one line each, exit 2."""
+    one line each, exit 2; a one-process lesson as one task (srun -n 1): it runs."""
     env, work = slurm
     job = work / "job.sh"
     job.write_text(subprocess.run(["bash", str(TOOL), "job", "2"], capture_output=True, text=True, check=True).stdout)
@@ -128,6 +128,11 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     assert mismatch.returncode == 2 and len(lines) == 1, mismatch.stderr
     assert ("SLURM started 2 task(s) per machine on 1 machine(s) (--ntasks-per-node 2, --nodes 1), but the "
             "flags ask for --devices 1 --num-nodes 1") in lines[0]
+
+    # one task (srun -n 1, sbatch --ntasks=1, which set no SLURM_NTASKS_PER_NODE) runs a lesson of one process
+    one = subprocess.run(["srun", "-N1", "-n1", "python", "04_fabric-vit-mixed-precision.py", "--smoke", "--epochs", "1",
+                          "--max-steps", "1"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and "Run record appended" in one.stdout, one.stderr[-2000:]
 
     # srun --pty bash's job name, for several machines: what to do instead
     nodes = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
