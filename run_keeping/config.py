@@ -29,6 +29,7 @@ MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a run stopped by Ctrl-C, SIGTERM
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
+CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all there: only read
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock on a file system that takes none (Lustre, NFS)
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
@@ -292,8 +293,7 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        # if the machine is refused below (after check=, so that a flag's own error comes first), the precision stays
-        # as asked: a GPU torch cannot use is not asked whether it computes bfloat16
+        # a machine refused below (after check=, a flag's own error first) is not asked whether it computes bfloat16
         given.precision = said["precision"]
         if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
@@ -312,7 +312,7 @@ class LessonParser(Parser):
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
             fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-        downloaded = (Path(given.data_dir) / "cifar-10-batches-py").is_dir()  # then only read (torchvision checks it)
+        downloaded = all((Path(given.data_dir) / "cifar-10-batches-py" / name).is_file() for name in CIFAR10_FILES)
         if not kind and not given.no_download and not downloaded:
             check_path("--data-dir", given.data_dir, folder=True)
         check_launch(given, takes_devices=self.shape["devices"] is not None)
@@ -445,7 +445,7 @@ def settle_sizes(given, parser, kind, places):
     max_steps = SYNTHETIC_STEPS if given.synthetic and given.max_steps is None else given.max_steps
     if given.synthetic and (max_steps < 2 or max_steps * epochs <= WARMUP_STEPS):  # no step left to time
         untimed = f"--synthetic times the steps after the first {WARMUP_STEPS}, and after each epoch's first"
-        parser.error(f"{untimed}: give --max-steps {WARMUP_STEPS + 1} or more")
+        parser.error(f"{untimed}: give --max-steps {max(2, WARMUP_STEPS // epochs + 1)} or more")
     default_batch = max(1, SMOKE_GLOBAL_BATCH // replicas) if given.smoke else parser.shape["batch_size"]
     batch = given.batch_size or default_batch
     if micro < 1 or batch % micro:

@@ -77,7 +77,7 @@ def native_bf16(device_type):
 def precision_that_runs(asked, accelerator):
     """32-true where `asked` computes in bfloat16 (bf16..., or 16-mixed on a CPU, which Lightning runs as bf16-mixed:
     "AMP with fp16 is not supported on CPU") on a device without native bfloat16; otherwise, or None, as asked."""
-    in_bf16 = asked and (asked.startswith("bf16") or accelerator == "cpu" and asked in ("16-mixed", "16"))
+    in_bf16 = asked and (asked.startswith("bf16") or (accelerator == "cpu" and asked in ("16-mixed", "16")))
     return "32-true" if in_bf16 and not native_bf16(accelerator) else asked
 
 

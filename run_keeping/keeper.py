@@ -59,7 +59,7 @@ class RunKeeper:
         self.fabric: Any = None
         self.rank = 0
         self.world_size = 1
-        self.precision_ran = "32-true"  # 00-02's, plain PyTorch; start(fabric) takes Fabric's (args.precision)
+        self.precision_ran = "32-true"  # 00-02's, plain PyTorch; start(fabric) takes what Fabric runs
         # how the run ends: its signal, one deferred while a step must be whole (set_up, a save, its end), whether done
         self.signum = signal.SIGINT
         self.deferring = False
@@ -500,7 +500,7 @@ class RunKeeper:
         if self.last:
             held = f"the last checkpoint, {self.last}, holds {self.epochs_kept} of {self.args.epochs} epochs{losing}"
             return f"interrupted ({name}); {held}; continue with: {resume_command()}"
-        return f"interrupted ({name}); no checkpoint yet (one is written after each epoch){losing}."
+        return f"interrupted ({name}); no checkpoint yet (one follows each epoch but a synthetic run's last){losing}."
 
 
 def latest_json(args, name, epochs_done):

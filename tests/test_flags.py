@@ -9,6 +9,7 @@ import argparse
 import os
 import re
 import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -225,22 +226,29 @@ def test_a_read_only_place_is_named_so_before_any_work(tmp_path, places, capsys,
 
 
 def test_a_cifar10_already_on_a_read_only_file_system_is_only_read(tmp_path, capsys):
-    """--data-dir on a read-only file system: where CIFAR-10's folder is, the run only reads it (torchvision checks its
-    files and downloads nothing), so it is not refused; where it is not, its download could not be written: refused
-    in one line, before any work."""
+    """--data-dir on a read-only file system: where CIFAR-10's files all are, the run only reads them (torchvision
+    checks them and downloads nothing), so it is not refused; where one is missing (a copy or an unpacking cut short),
+    or none is there, its download could not be written: refused in one line, before any work."""
+    from run_keeping.config import CIFAR10_FILES
+
     mounted = tmp_path / "mounted"
     mounted.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mounted)], capture_output=True).returncode:
+    mount = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mounted)]
+    if shutil.which("mount") is None or subprocess.run(mount, capture_output=True).returncode:
         pytest.skip("this machine cannot mount a file system for the test")
     try:
-        (mounted / "downloaded" / "cifar-10-batches-py").mkdir(parents=True)
-        (mounted / "empty").mkdir()
-        subprocess.run(["mount", "-o", "remount,ro", str(mounted)], check=True)
+        for folder, files in (("downloaded", CIFAR10_FILES), ("cut-short", CIFAR10_FILES[:-1]), ("empty", ())):
+            (mounted / folder / "cifar-10-batches-py").mkdir(parents=True)
+            for name in files:
+                (mounted / folder / "cifar-10-batches-py" / name).write_bytes(b"")
+        if subprocess.run(["mount", "-o", "remount,ro", str(mounted)], capture_output=True).returncode:
+            pytest.skip("this machine cannot make the test's file system read-only")
         assert parse_as("01_pytorch-vit.py", "--accelerator", "cpu", "--data-dir", str(mounted / "downloaded"))
-        with pytest.raises(SystemExit) as exit_info:
-            parse_as("01_pytorch-vit.py", "--accelerator", "cpu", "--data-dir", str(mounted / "empty"))
-        err = capsys.readouterr().err.strip()
-        assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "is on a read-only file system" in err, err
+        for folder in ("cut-short", "empty"):
+            with pytest.raises(SystemExit) as exit_info:
+                parse_as("01_pytorch-vit.py", "--accelerator", "cpu", "--data-dir", str(mounted / folder))
+            err = capsys.readouterr().err.strip()
+            assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "read-only file system" in err, err
     finally:
         subprocess.run(["umount", str(mounted)], capture_output=True)
 

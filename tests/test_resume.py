@@ -553,7 +553,11 @@ def test_a_synthetic_run_with_no_step_to_time_is_refused(parse, capsys, steps, e
     with pytest.raises(SystemExit) as exit_info:
         parse(*flags)
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and len(err.splitlines()) == 1 and "give --max-steps 4 or more" in err, err
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    least = int(err.split("give --max-steps ")[1].split()[0])  # the fewest that time a step: accepted, one fewer not
+    assert parse("--synthetic", "--max-steps", str(least), "--epochs", str(epochs)).steps == least * epochs
+    with pytest.raises(SystemExit):
+        parse("--synthetic", "--max-steps", str(least - 1), "--epochs", str(epochs))
 
 
 @pytest.mark.parametrize("meta, words", [
