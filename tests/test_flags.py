@@ -229,7 +229,12 @@ def test_a_cifar10_already_on_a_read_only_file_system_is_only_read(tmp_path, cap
     """--data-dir on a read-only file system: where CIFAR-10's files all are, the run only reads them (torchvision
     checks them and downloads nothing), so it is not refused; where one is missing (a copy or an unpacking cut short),
     or none is there, its download could not be written: refused in one line, before any work."""
+    from torchvision.datasets import CIFAR10
+
     from run_keeping.config import CIFAR10_FILES
+
+    # the files torchvision checks before it would download, and the list of them the run reads
+    assert set(CIFAR10_FILES) == {name for name, _ in CIFAR10.train_list + CIFAR10.test_list} | {CIFAR10.meta["filename"]}
 
     mounted = tmp_path / "mounted"
     mounted.mkdir()
