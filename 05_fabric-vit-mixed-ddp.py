@@ -64,10 +64,10 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3, devices=4)  # [05] instead of lesson_parser(epochs=3): four devices
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (the precision Fabric runs, as LT_PRECISION; Ctrl-C and SIGTERM; warnings; torch's threads; the checkpoint folder's lock), each undone as the block ends: run_keeping/keeper.py's set_up (the lock: start)
+    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process, each change undone as the block ends: the precision Fabric runs, Ctrl-C and SIGTERM, warnings, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: parse_args reads this literal from the script's text, run_keeping/device.py's precision_that_runs decides, RunKeeper.set_up hands it to Fabric as LT_PRECISION, which Fabric takes over this argument)
+            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: run_keeping/device.py's precision_that_runs decides from this literal, which parse_args reads in the script's text; RunKeeper.set_up sets the result as LT_PRECISION, which Fabric uses in place of this argument)
             strategy="ddp",  # [05] new: distributed data parallel
         )
         fabric.launch()  # [03] new: starts the other processes, if any

@@ -64,7 +64,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process (the precision Fabric runs, as LT_PRECISION; Ctrl-C and SIGTERM; warnings; torch's threads; the checkpoint folder's lock), each undone as the block ends: run_keeping/keeper.py's set_up (the lock: start)
+    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process, each change undone as the block ends: the precision Fabric runs, Ctrl-C and SIGTERM, warnings, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
             precision="bf16-true",  # [11] instead of "bf16-mixed": weights, gradients and Adam's state in bfloat16 too

@@ -40,7 +40,7 @@ def talk_transforms():
 def get_dataloaders(args):
     """(train, val, test) loaders of CIFAR-10 as in the talk, the --smoke digits or --synthetic data:
     --max-steps N keeps N batches, each in args.micro_batches parts (gradient accumulation)."""
-    if args.synthetic:  # on a GPU, made there
+    if args.synthetic:  # on a GPU, made there (the process's own: Fabric's launch set it as current)
         gpu = torch.device("cuda", torch.cuda.current_device()) if args.accelerator == "cuda" else None
         train, val, test = synthetic_datasets(args, gpu)
     elif args.smoke:
@@ -74,7 +74,7 @@ def cifar10_datasets(data_dir, download=True):
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
         fail(f"CIFAR-10 is not in {where} and could not be downloaded ({why}). {fetch}.")
-    num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000  # a tenth held out: CIFAR-10's 5,000
+    num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000  # a tenth held out (of a smaller copy too)
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
 

@@ -33,8 +33,8 @@ CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in rang
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock on a file system that takes none (Lustre, NFS)
 # The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
-# The settings that name a run's checkpoint folder and model file where they differ from the script's defaults, so
-# runs of other settings never share them, with their spelling there; a lesson's own flags follow (name_part).
+# The flags' settings that name a run's checkpoint folder and model file where they differ from the script's defaults,
+# as spelt there (a lesson's own flags follow: name_part); not the precision a machine without bfloat16 falls back to
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 
@@ -94,9 +94,10 @@ def whole_number(least, most=None):
 
 
 def read_script(path):
-    """What a lesson's text asks for, so that a copy under any name asks the same: its Fabric(...)'s precision (32-true
-    where it names none; None, not known, where not written as text or where two differ), its torch.compile mode (None:
-    none; a mode not written as text is recorded as torch's default) and its --help."""
+    """What a lesson's text asks for, read before it runs (the precision that runs is set before its Fabric exists),
+    so that a copy under any name asks the same: its Fabric(...)'s precision (32-true where it names none; None where
+    not written as text or where two differ), its torch.compile mode (None: none; one not written as text is recorded
+    as torch's default) and its --help."""
     said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
@@ -497,7 +498,8 @@ def check_launch(given, takes_devices):
             problem += " use #SBATCH --ntasks-per-node (one task per GPU) instead"
         elif (per_node, nodes) != (given.devices, given.num_nodes):
             started = f"{per_node} task(s) per machine on {nodes} machine(s)"
-            problem = f"SLURM started {started} (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for"
+            how = f"--ntasks-per-node {per_node}" if "SLURM_NTASKS_PER_NODE" in env else f"--ntasks {ntasks}"
+            problem = f"SLURM started {started} ({how}, --nodes {nodes}), but the flags ask for"
             problem += f" {asked}: make the two agree (one task per GPU)"
     elif "TORCHELASTIC_RUN_ID" in env:
         local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))  # torchrun's sizes

@@ -11,10 +11,10 @@ DIAGNOSIS = "bash gpu_check.sh says what this machine has and which torch build 
 
 
 def cuda_gpus():
-    """(the GPUs CUDA gives this torch, what torch said where it cannot use them or None). CUDA starts before they are
-    counted, so MIG instances and CUDA_VISIBLE_DEVICES count as CUDA counts them (before, torch counts the driver's,
-    through NVML: Lightning sets PYTORCH_NVML_BASED_CUDA_CHECK as it is imported). Starting it raises torch's words
-    where the driver cannot run this build; where the build has no kernels for a GPU, torch warns, naming the GPU."""
+    """(how many GPUs CUDA gives this torch, torch's words where it cannot use them, or None). CUDA is started first,
+    so that MIG instances and CUDA_VISIBLE_DEVICES count as CUDA counts them: until then torch asks the driver (NVML,
+    as Lightning has it do). Starting CUDA raises torch's words where the driver cannot run this build; where the build
+    has no kernels for a GPU, torch warns, naming the GPU."""
     import torch
 
     with warnings.catch_warnings(record=True) as said:
@@ -62,16 +62,24 @@ def cpu_model_and_flags():
 
 def native_bf16(device_type):
     """Whether the device computes bfloat16 in hardware: a GPU from Ampere on (torch says); a CPU with AVX512-BF16 or
-    AMX (or Arm's bf16) unless ONEDNN_MAX_CPU_ISA caps oneDNN below them (torch says it of a CPU only in private names,
-    so Linux's flags are read). With AVX2 alone a 512x512 product ran 110 times slower than in float32."""
+    AMX (or Arm's bf16) unless oneDNN is capped below them (torch says it of a CPU only in private names, so Linux's
+    flags are read). With AVX2 alone a 512x512 product ran 110 times slower than in float32."""
     if device_type == "cuda":
         import torch
 
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()  # ALL and DEFAULT: oneDNN's own choice, no cap
+    _, cap = onednn_cap()
     # oneDNN's ISA names that reach the bfloat16 units: AVX512_CORE_BF16, _FP16, _AMX (and _AMX_FP16), AVX10_1_512...
-    capped = cap not in ("ALL", "DEFAULT") and not any(isa in cap for isa in ("BF16", "FP16", "AMX", "AVX10"))
+    capped = cap is not None and not any(isa in cap.upper() for isa in ("BF16", "FP16", "AMX", "AVX10"))
     return not capped and bool({"avx512_bf16", "amx_bf16", "bf16"} & set(cpu_model_and_flags()[1]))
+
+
+def onednn_cap():
+    """(the variable, its value) that caps the instructions oneDNN uses, as oneDNN reads them: ONEDNN_MAX_CPU_ISA, else
+    the older DNNL_MAX_CPU_ISA; (None, None) where neither caps (ALL and DEFAULT: oneDNN's own choice)."""
+    name = "ONEDNN_MAX_CPU_ISA" if "ONEDNN_MAX_CPU_ISA" in os.environ else "DNNL_MAX_CPU_ISA"
+    cap = os.environ.get(name)
+    return (None, None) if cap is None or cap.upper() in ("ALL", "DEFAULT") else (name, cap)
 
 
 def precision_that_runs(asked, accelerator):
@@ -89,16 +97,16 @@ def device_name(accelerator):
         return torch.cuda.get_device_name()
     model, flags = cpu_model_and_flags()
     units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA")
-    if cap and cap.upper() not in ("ALL", "DEFAULT"):
-        units.append(f"oneDNN capped at {cap} by ONEDNN_MAX_CPU_ISA")
+    name, cap = onednn_cap()
+    if cap:
+        units.append(f"oneDNN capped at {cap} by {name}")
     details = "".join(", " + unit for unit in units)
     return f"CPU {model or 'unknown'} ({os.cpu_count()} cores{details})"
 
 
 def fallback_line(args, ran):
     """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
-    # no fallback decided (or no precision known); or the Fabric was made before the run's block set LT_PRECISION
+    # no fallback decided (or no precision known); or a Fabric made outside the run's block, which set no LT_PRECISION
     if args.precision == args.precision_asked or ran != args.precision:
         return None
     instead = f"running {ran} instead of {args.precision_asked}"

@@ -124,7 +124,8 @@ class RunKeeper:
         self.undo.callback(put_back_environment, dict(os.environ))
         if self.args.precision:
             os.environ["LT_PRECISION"] = self.args.precision
-        # torch's threads, which Lightning's launcher sets to each process's share of the cores (distributed.py)
+        # torch's threads as found: where Lightning's launcher starts the run's processes, it sets each one's to its
+        # share of the cores, unless OMP_NUM_THREADS is set (lightning/fabric/utilities/distributed.py)
         self.undo.callback(torch.set_num_threads, torch.get_num_threads())
         # The warnings filters as found. Lightning warns wherever srun exists but did not start the process: the opening
         # line says what started it, and config refuses a launch that does not match the flags
@@ -138,6 +139,7 @@ class RunKeeper:
             self.deferred = self.deferred or signal.Signals(signum)
         else:
             self.signum = signal.Signals(signum)
+            self.deferring = True  # the run ends: a second signal before __exit__ begins waits, and the first is said
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -150,8 +152,8 @@ class RunKeeper:
         finally:
             self.deferring = deferring
         if self.deferred and not deferring:  # (nested in another, the outer one raises it)
-            self.signum, self.deferred = self.deferred, None
-            raise KeyboardInterrupt
+            signum, self.deferred = self.deferred, None
+            self.on_signal(signum, None)  # raised now, as if it came now
 
     def __exit__(self, exc_type, error, tb):
         """How the run ended, in one line and an exit code (a finished run says nothing more); then every change the
@@ -284,8 +286,9 @@ class RunKeeper:
             self.say(parameters_held(self.fabric, model))
         if self.args.resume or self.args.restart:
             rng = self.agree(self.load_last_checkpoint)
-            if self.world_size > 1:
-                skip_the_finished_epochs(train_loader, self.start_epoch)
+            if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch to the times it was iterated
+                for _ in range(self.start_epoch):  # (lightning/fabric/wrappers.py): so, once for each finished epoch
+                    next(iter(train_loader), None)
             torch.set_rng_state(rng)  # after those: each pass over the loader draws a seed from it
             self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.args.epochs} epochs done.")
         self.cpu_at_start = cpu_times()  # the computing thread's waits count from here
@@ -308,8 +311,8 @@ class RunKeeper:
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
-        """Untimed: each epoch's first optimizer step and this session's first WARMUP_STEPS (start-up, compilation);
-        timed from there to the epoch's last batch, its images and seconds. The GPU's peak counts from the same step."""
+        """Untimed: each epoch's first optimizer step (the timer starts as it ends) and this session's first
+        WARMUP_STEPS (start-up, compilation); timed from there to the epoch's last batch. The GPU's peak: likewise."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -351,7 +354,8 @@ class RunKeeper:
         self.new_epoch()
         if self.args.synthetic and len(self.train_loss) == self.args.epochs:
             return  # a synthetic run measures: after its last epoch nothing is left to continue
-        self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
+        if self.steps_this_session >= WARMUP_STEPS:  # a GPU's peak is reset there (time_the_step): not the warm-up's
+            self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
         began = time.perf_counter()
         self.agree(self.save_checkpoint)
         self.checkpoint_s.append(time.perf_counter() - began)
@@ -440,7 +444,7 @@ class RunKeeper:
 
     def finish(self, train_time_s, test_acc, model):
         """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        self.deferring = True  # to the end: a signal waits until the files are written; __exit__ says it as it ends
+        self.deferring = True  # kept to the end: a signal waits until the files are written, and __exit__ says it
         args = self.args
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk saved none
@@ -539,13 +543,6 @@ def parameters_held(fabric, model):
     return f"Parameters held per process: {each} of {sum(p.numel() for p in model.parameters()):,}"
 
 
-def skip_the_finished_epochs(train_loader, epochs):
-    """The order of the epoch a resumed run of processes starts at: Fabric's loader sets its distributed sampler's epoch
-    to how many times it was iterated (lightning/fabric/wrappers.py), so each finished epoch is iterated once."""
-    for _ in range(epochs):
-        next(iter(train_loader), None)
-
-
 def closing_lines(train_time_s, peak, images_per_s, test_acc, checkpoint_s, waited):
     """The talk's closing lines (time, memory), then ours: throughput, test accuracy, checkpoints, a busy machine."""
     lines = [f"Time elapsed {train_time_s / 60:.2f} min", f"Memory used: {peak:.02f} GB"]
@@ -571,9 +568,8 @@ def explain(error, args, rank, world_size, last_checkpoint):
             error = wrapped
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
-            needs = "a C++ compiler (install g++)"
-            if args.accelerator == "cuda":
-                needs = "Triton and a C compiler (install gcc)"
+            cuda = args.accelerator == "cuda"
+            needs = "Triton and a C compiler (install gcc)" if cuda else "a C++ compiler (install g++)"
             return f"error: torch.compile could not compile the model ({reason}): here it needs {needs}, {without}.", 2
         return f"error: torch.compile failed ({type(error).__name__}: {first_line(error)}); {without}.", 1
     if isinstance(error, torch.OutOfMemoryError):
@@ -598,8 +594,8 @@ def lost_peer(world_size, error):
 
 
 class FolderLock:
-    """A run's hold on its folder: an flock on its .lock, which names the holder. Released, it removes the folders it
-    made and the run's own (`ours`), where nothing is left in them, never another (a --checkpoint-dir given stays)."""
+    """A run's hold on its folder: an flock on its .lock, which names the holder. Released, it removes each folder it
+    made and the run's own (`ours`: checkpoints/<run>/, checkpoints/) where nothing is left in it; any other stays."""
 
     def __init__(self, folder, ours=()):
         self.path = Path(folder) / ".lock"

@@ -45,7 +45,11 @@ def append_record(path, record, then=""):
         fail(f"cannot write the run record to {path}: {err.strerror}.{then}", code=1)
     size = None
     try:
-        lock_or_go_on(fd)  # appenders in other processes wait here
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in other processes wait here
+        except OSError as err:  # where the file system takes no locks, the one write below appends the line whole
+            if err.errno not in NO_LOCKS:  # all the same, unless another machine appends at the same moment
+                raise
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             line = b"\n" + line
@@ -57,16 +61,6 @@ def append_record(path, record, then=""):
         fail(f"cannot write the run record to {path}: {err.strerror}; the earlier records are as they were.{then}", 1)
     finally:
         os.close(fd)  # and with it the lock
-
-
-def lock_or_go_on(fd):
-    """An flock on `fd`, waited for; none where the file system takes no locks (NO_LOCKS), where the record's one
-    write appends it whole all the same, unless another machine appends at the same moment."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError as err:
-        if err.errno not in NO_LOCKS:
-            raise
 
 
 def write_whole(path, data):

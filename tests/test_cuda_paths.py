@@ -152,6 +152,29 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         (3.04, "NVIDIA H200", "cuda")
 
 
+def test_a_gpus_peak_counts_from_the_warm_up_where_an_epoch_is_shorter(monkeypatch, parse, restore_signals, tmp_path):
+    """Epochs of 2 steps: the first checkpoint comes before the peak's reset (after the warm-up's 3rd step), so the
+    peak it would read, the warm-up's, is not the record's."""
+    CudaStandIn(monkeypatch)
+    peak = {"bytes": 9e9}  # the warm-up's (compilation's, say), until torch.cuda's peak is reset
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: peak.update(bytes=3.04e9))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: peak["bytes"])
+    args = parse("--smoke", "--epochs", "2", script="01_pytorch-vit.py")
+    args.accelerator = "cuda"
+    model = lu.build_vit(None, args)
+    keeper = RunKeeper(args)
+    keeper.__enter__()
+    keeper.start()
+    keeper.before_training(model, torch.optim.Adam(model.parameters(), lr=5e-5), train_loader=[None] * 2)
+    for _ in range(2):
+        for _ in range(2):
+            keeper.batch_done(torch.tensor(1.0), batch_size=4)
+        keeper.checkpoint(val_acc=0.5)
+    keeper.finish(1.0, 0.9, model)
+    keeper.__exit__(None, None, None)
+    assert json.loads((tmp_path / args.results).read_text().splitlines()[-1])["peak_memory_gb"] == 3.04
+
+
 def test_a_gpu_missing_from_the_table_takes_lightnings(monkeypatch):
     """benchmark.py's MFU on a GPU that its own dense-peak table lacks: Lightning's figure."""
     from benchmarks import peaks

@@ -201,6 +201,47 @@ def test_a_variable_a_run_changes_is_set_back_as_found(as_found, tmp_path):
     assert os.environ["OMP_NUM_THREADS"] == "1" and "ADDED_BY_THE_RUN" not in os.environ
 
 
+@pytest.mark.parametrize("first_in", ["the block", "the set-up"])
+def test_a_second_ctrl_c_as_the_runs_end_begins_waits_for_it(first_in, as_found, tmp_path):
+    """Ctrl-C twice: the first in the run's block (or its set-up, where it is deferred to the set-up's end), the second
+    as Python calls __exit__ with the first's KeyboardInterrupt, before __exit__'s first line: the first's one line and
+    130, no traceback, the interpreter as found."""
+    from run_keeping.keeper import RunKeeper
+
+    script = a_run_that("__import__('os').kill(__import__('os').getpid(), 2)" if first_in == "the block" else "pass",
+                        tmp_path)
+    as_found = as_found(script)
+    sent = []
+
+    def send(where):
+        sent.append(where)
+        os.kill(os.getpid(), signal.SIGINT)  # its handler runs here, before the traced line or call
+
+    def in_the_set_up(frame, event, arg):  # the first, once the run owns Ctrl-C
+        if event == "line" and not sent and signal.getsignal(signal.SIGINT) is not escaped:
+            send("set_up")
+        return in_the_set_up
+
+    def at_the_call(frame, event, arg):
+        if event == "call" and frame.f_code is RunKeeper.__exit__.__code__ and len(sent) < 2:
+            send("__exit__")
+        elif event == "call" and frame.f_code is RunKeeper.set_up.__code__ and first_in == "the set-up":
+            return in_the_set_up
+
+    tracer = sys.gettrace()  # coverage's, say
+    sys.settrace(at_the_call)
+    try:
+        code, printed = run_here(script, "--smoke")
+    except KeyboardInterrupt:  # out of the run's hands (pytest would stop the suite)
+        pytest.fail(f"the second Ctrl-C (at {sent}) left the run as a KeyboardInterrupt")
+    finally:
+        sys.settrace(tracer)
+    assert sent[-1] == "__exit__", sent
+    assert code == 130, (code, printed)
+    assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; no checkpoint, model or record was written.\n"
+    assert not any("Traceback" in line for line in printed) and interpreter() == as_found, printed
+
+
 def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path):
     """Ctrl-C as each line of RunKeeper's __enter__ and set_up runs once the run owns Ctrl-C (Python's tracer sends
     it), before the run's first line is printed: one line, 130, no traceback, the interpreter as found, until a run's

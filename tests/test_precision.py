@@ -40,9 +40,10 @@ def test_the_detection_agrees_with_the_speed_and_the_rehearsals(tmp_path):
     here, capped, aten = probe(tmp_path), probe(tmp_path, ONEDNN_MAX_CPU_ISA="AVX2"), \
         probe(tmp_path, ATEN_CPU_CAPABILITY="avx2")
     uncapped = probe(tmp_path, ONEDNN_MAX_CPU_ISA="DEFAULT")  # oneDNN's documented default: its own choice, no cap
-    for seen in (here, capped, aten, uncapped):
+    older = probe(tmp_path, DNNL_MAX_CPU_ISA="AVX2")  # the older name, which oneDNN reads where the newer is unset
+    for seen in (here, capped, aten, uncapped, older):
         assert seen["native"] == (seen["ratio"] >= EMULATED_BELOW), seen
-    assert not capped["native"]
+    assert not capped["native"] and not older["native"]
     assert aten["capability"] == "AVX2" and aten["native"] == here["native"]
 
 
@@ -227,12 +228,19 @@ def test_only_a_precision_that_computes_in_bfloat16_falls_back_and_only_a_fallba
 
 def test_onednns_default_is_no_cap(monkeypatch):
     """ONEDNN_MAX_CPU_ISA=DEFAULT, oneDNN's documented default (its own choice), is as if unset: bfloat16 as native,
-    and the CPU's name saying no cap; AVX2 is a cap, said in the name, and bfloat16 not native."""
+    and the CPU's name saying no cap; AVX2 is a cap, said in the name, and bfloat16 not native; so is the older
+    DNNL_MAX_CPU_ISA's, where ONEDNN_MAX_CPU_ISA is not set."""
     from run_keeping.device import device_name, native_bf16 as native
 
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     unset = (native("cpu"), device_name("cpu"))
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "DEFAULT")
     assert (native("cpu"), device_name("cpu")) == unset
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not native("cpu") and "oneDNN capped at AVX2 by ONEDNN_MAX_CPU_ISA" in device_name("cpu")
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")  # the older name counts only where the newer is unset, as in oneDNN
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert (native("cpu"), device_name("cpu")) == unset
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert not native("cpu") and "oneDNN capped at AVX2 by DNNL_MAX_CPU_ISA" in device_name("cpu")

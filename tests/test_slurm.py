@@ -133,6 +133,11 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     one = subprocess.run(["srun", "-N1", "-n1", "python", "04_fabric-vit-mixed-precision.py", "--smoke", "--epochs", "1",
                           "--max-steps", "1"], cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert one.returncode == 0 and "Run record appended" in one.stdout, one.stderr[-2000:]
+    # and is refused for a lesson of two, in the words that started it
+    one = subprocess.run(["srun", "-N1", "-n1", "python", "06_fabric-vit-mixed-fsdp.py", "--smoke"], cwd=work, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 2 and "SLURM started 1 task(s) per machine on 1 machine(s) (--ntasks 1, --nodes 1), but " \
+        "the flags ask for --devices 2 --num-nodes 1" in one.stderr, one.stderr[-2000:]
 
     # srun --pty bash's job name, for several machines: what to do instead
     nodes = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
