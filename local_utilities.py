@@ -1,5 +1,5 @@
-"""What the numbered scripts share, as in the talk's helper module: the data (CIFAR-10 as in the talk, and the offline
---smoke and --synthetic stand-ins), the model and evaluation (parallelize.py: the sharded lessons' own functions)."""
+"""Code the numbered scripts share, like the talk's helper module: the data (CIFAR-10 as in the talk, plus the offline
+--smoke and --synthetic stand-ins), the model and evaluation. The sharded lessons' own functions: parallelize.py."""
 
 import os
 import shutil
@@ -27,7 +27,7 @@ SMOKE_WEIGHTS = Path(__file__).with_name("smoke_weights") / "smoke-vit-printed-d
 
 
 def lesson_parser(epochs, devices=None, batch_size=16, num_workers_flag=True, check=None):
-    """The flags every lesson shares (config.LessonParser, which says what each argument is), for these data's sizes."""
+    """A config.LessonParser with the shared flags (see its docstring), checking batches against these data's sizes."""
     images = {"full": 50000 - NUM_VALIDATION, "smoke": SMOKE_TRAIN}
     return LessonParser(epochs, devices, batch_size, num_workers_flag, train_images=images, check=check)
 
@@ -38,9 +38,9 @@ def talk_transforms():
 
 
 def get_dataloaders(args):
-    """(train, val, test) loaders of CIFAR-10 as in the talk, the --smoke digits or --synthetic data:
-    --max-steps N keeps N batches, each in args.micro_batches parts (gradient accumulation)."""
-    if args.synthetic:  # on a GPU, made there (the process's own: Fabric's launch set it as current)
+    """(train, val, test) loaders of CIFAR-10 as in the talk, the --smoke digits or --synthetic data. --max-steps N
+    keeps N batches per replica; the loaders hand out each batch in args.micro_batches parts (gradient accumulation)."""
+    if args.synthetic:  # on a GPU, made on this process's own (Fabric's launch made it current)
         gpu = torch.device("cuda", torch.cuda.current_device()) if args.accelerator == "cuda" else None
         train, val, test = synthetic_datasets(args, gpu)
     elif args.smoke:
@@ -49,7 +49,7 @@ def get_dataloaders(args):
         train, val, test = cifar10_datasets(args.data_dir, download=not args.no_download)
     if args.max_steps:
         train = Subset(train, range(min(len(train), args.max_steps * args.batch_size * args.data_parallel)))
-    workers = 0 if args.smoke or args.synthetic else args.num_workers  # their data are in memory
+    workers = 0 if args.smoke or args.synthetic else args.num_workers  # their data are already in memory
     batch = args.batch_size // args.micro_batches
     train_loader = DataLoader(train, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers)
     val_loader = DataLoader(val, batch_size=batch, num_workers=workers)
@@ -69,7 +69,7 @@ def cifar10_datasets(data_dir, download=True):
         missing = f"CIFAR-10 is not in {where} (no complete cifar-10-batches-py folder), and --no-download was given"
         fail(f"{missing}. Download {CIFAR10_URL}, unpack it there, or drop --no-download.")
     except OSError as err:  # no network: URLError, connection refused, DNS failure, full disk
-        if created:  # the topmost folder this run made (the partial download in it): gone again
+        if created:  # remove the topmost folder this run made, with the partial download in it
             shutil.rmtree(created[-1], ignore_errors=True)
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
@@ -79,7 +79,7 @@ def cifar10_datasets(data_dir, download=True):
 
 
 def digits_datasets():
-    """The --smoke data: scikit-learn's 1,797 8x8 digits as 32x32 RGB in [0, 1], split once (whatever --seed)."""
+    """The --smoke data: scikit-learn's 1,797 8x8 digits as 32x32 RGB in [0, 1], split the same way whatever --seed."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -94,13 +94,13 @@ def digits_datasets():
 
 def synthetic_datasets(args, device=None):
     """Random images and labels: --max-steps batches per process to train on, one image per process to
-    evaluate. With a `device` (a GPU), one step's images are made there and cycled through, so no batch
-    is collated from the CPU's memory and copied over: images/s is the model's, not the loader's."""
+    evaluate. With a `device` (a GPU), one step's images are made there and reused, so no batch is
+    collated in the CPU's memory and copied over: images/s then measures the model, not the loader."""
     size = SMOKE_IMAGE_SIZE if args.smoke else TALK_IMAGE_SIZE
     g = torch.Generator().manual_seed(args.seed)
     per_step = args.batch_size * args.data_parallel
 
-    def make(n, held):  # n items, cycling through the `held` made
+    def make(n, held):  # n items, cycling through `held` random ones
         images = torch.rand(held, 3, size, size, generator=g).to(device or "cpu")
         labels = torch.randint(0, NUM_CLASSES, (held,), generator=g).to(device or "cpu")
         return Subset(TensorDataset(images, labels), [i % held for i in range(n)])
@@ -112,17 +112,17 @@ def synthetic_datasets(args, device=None):
 
 
 def smoke_vit():
-    """The --smoke model: a small ViT, 32x32 images in 16 patches of 8 pixels (in 4 patches of 16, random init
-    read the digits almost as well as pretrained: docs/smoke.md); a head for the 10 printed digits it learnt."""
+    """The --smoke model: a small ViT that cuts 32x32 images into 16 patches of 8x8 (with 4 patches of 16x16, random
+    init read the digits almost as well as pretrained: docs/smoke.md), with a 10-class head for the digits."""
     size = SMOKE_IMAGE_SIZE
     return VisionTransformer(size, 8, num_layers=3, num_heads=4, hidden_dim=128, mlp_dim=256, num_classes=NUM_CLASSES)
 
 
 def build_vit(weights, args):
-    """torchvision's vit_b_16 (--vit: another) with weights=None or "IMAGENET1K_V1"; --smoke: the small ViT,
-    pretrained on printed digits (make_smoke_weights.py: the demo's ImageNet) where the full run loads
-    IMAGENET1K_V1; --synthetic: random init. model.init says what it starts from."""
-    vit = getattr(args, "vit", "vit_b_16")  # --vit vit_l_16: the sequel's; a tool's Namespace may have no vit
+    """torchvision's vit_b_16 (or --vit's model) with weights=None or "IMAGENET1K_V1". --smoke: the small ViT,
+    pretrained on printed digits (make_smoke_weights.py, the demo's stand-in for ImageNet) where a full run loads
+    IMAGENET1K_V1. --synthetic: always random init. model.init is set to a note of what the model starts from."""
+    vit = getattr(args, "vit", "vit_b_16")  # vit_l_16: the memory sequel's; a tool's Namespace may have no vit
     pretrained = weights is not None and not args.synthetic  # --smoke: SMOKE_WEIGHTS in place of ImageNet's
     init = "random init"
     if args.smoke:
@@ -147,7 +147,7 @@ def build_vit(weights, args):
 
 @torch.no_grad()
 def evaluate(model, loader, device):
-    """Accuracy (a fraction) over the loader; torchmetrics sums the counts of all processes."""
+    """The model's accuracy (a fraction) over the loader; torchmetrics sums the counts over all processes."""
     model.eval()
     accuracy = torchmetrics.Accuracy(task="multiclass", num_classes=NUM_CLASSES).to(device)
     for features, targets in loader:

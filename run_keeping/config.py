@@ -1,7 +1,7 @@
-"""A lesson's command line: the flags every lesson shares, then the lesson's own, in argparse's words. parse_args()
-reads the flags, the machine and the checkpoint folder, refuses in one line (exit 2) what the run cannot do, and
-returns the run's settings (Settings). It changes nothing in the process but CUDA's runtime, started to count the GPUs
-(which cannot be undone): what a run changes, RunKeeper sets and undoes (keeper.py). docs/run-keeping.md"""
+"""Parses a lesson's command line: the flags every lesson shares, then the lesson's own (added with plain argparse).
+parse_args() reads the flags, the machine and the checkpoint folder, rejects with a one-line error (exit 2) a run that
+cannot work, and returns the run's Settings. Its only change to the process is starting CUDA's runtime to count the
+GPUs, which cannot be undone; RunKeeper (keeper.py) makes and undoes every other change. See docs/run-keeping.md."""
 
 import argparse
 import ast
@@ -19,22 +19,22 @@ from pathlib import Path
 
 from run_keeping.device import cuda_gpus, no_gpu_line, precision_that_runs, unusable_gpu_line
 
-SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke's, by the lesson's epochs: 10 (from random init) 4, 3 (finetuning) 2
+SMOKE_EPOCHS = {10: 4, 3: 2}  # --smoke's default epochs, by the lesson's: 10 (random init) -> 4, 3 (finetuning) -> 2
 SMOKE_GLOBAL_BATCH = 16  # --smoke splits the talk's batch of 16 across data-parallel replicas
 SYNTHETIC_STEPS = 20  # --synthetic trains this many optimizer steps (one epoch) unless --max-steps
 WARMUP_STEPS = 3  # a run's first optimizer steps are not timed (start-up, compilation)
-DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # what only CIFAR-10's loader reads
-VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit: the talk's, the memory sequel's
-MOST_WORKERS = 64  # --num-workers: loader processes, more than any machine here has cores
+DATA_FLAGS = ("num_workers", "data_dir", "no_download")  # flags only CIFAR-10's loader reads
+VITS = {"vit_b_16": "ViT-B/16", "vit_l_16": "ViT-L/16"}  # --vit's choices: the talk's model and the memory sequel's
+MOST_WORKERS = 64  # --num-workers' upper limit: more loader processes than any machine here has cores
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
-EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # a run stopped by Ctrl-C, SIGTERM
+EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
-CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all there: only read
-NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock on a file system that takes none (Lustre, NFS)
-# The settings that shape a run: a checkpoint keeps them, and --resume refuses to change them (and the lesson's own)
+CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all present: no write check
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors on a file system without locks (Lustre, NFS)
+# Settings that shape a run: a checkpoint stores them (and the lesson's own flags); --resume refuses to change them
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
-# The flags' settings that name a run's checkpoint folder and model file where they differ from the script's defaults,
-# as spelt there (a lesson's own flags follow: name_part); not the precision a machine without bfloat16 falls back to
+# Settings shown in a run's name (its checkpoint folder and model file) when not at their defaults, in these formats;
+# the lesson's own flags follow (name_part). A precision fallback on a machine without bfloat16 does not change it.
 NAMED_SETTINGS = {"seed": "seed{}", "epochs": "epochs{}", "batch_size": "batch{}", "max_steps": "max-steps{}"}
 NAMED_SETTINGS |= {"world_size": "procs{}", "vit": "{}"}
 
@@ -46,7 +46,7 @@ def fail(message, code=2):
 
 
 def fail_once(message):
-    """`fail` in the first process of a launch (srun's, torchrun's, Lightning's); the others exit 2, saying nothing."""
+    """`fail` in the first process of a launch (srun's, torchrun's, Lightning's); the others exit 2 silently."""
     if not any(int(os.environ.get(rank, "0")) for rank in ("SLURM_PROCID", "RANK", "LOCAL_RANK")):
         fail(message)
     raise SystemExit(2)
@@ -77,7 +77,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def whole_number(least, most=None):
-    """argparse's type for a whole number from `least` (to `most`): one line otherwise."""
+    """An argparse `type` for a whole number from `least` up to `most` (if given); anything else is a usage error."""
 
     def check(text):
         try:
@@ -94,10 +94,10 @@ def whole_number(least, most=None):
 
 
 def read_script(path):
-    """What a lesson's text asks for, read before it runs (the precision that runs is set before its Fabric exists),
-    so that a copy under any name asks the same: its Fabric(...)'s precision (32-true where it names none; None where
-    not written as text or where two differ), its torch.compile mode (None: none; one not written as text is recorded
-    as torch's default) and its --help."""
+    """Reads what a lesson asks for from its source, so a copy under any name asks the same: its Fabric(...)'s precision
+    (32-true if none is given; None if it is not a string literal, or two calls differ), its torch.compile mode (None if
+    it compiles nothing; "default" if not given as a literal) and its --help text. Read before the lesson runs, because
+    the precision that runs must be set (LT_PRECISION) before its Fabric exists."""
     said = {"precision": "32-true", "compile_mode": None, "description": ""}
     try:
         text = Path(path).read_text()
@@ -110,7 +110,7 @@ def read_script(path):
         keywords = {keyword.arg: keyword.value for keyword in call.keywords}
         if name.split(".")[-1] == "Fabric" and "precision" in keywords:
             asked.add(text_literal(keywords["precision"]))
-        elif name.split(".")[-1] == "Fabric":  # none written: Fabric's 32-true, unless a **options (arg None) holds one
+        elif name.split(".")[-1] == "Fabric":  # no precision=: Fabric's 32-true, unless **options (arg None) has one
             asked.add(None if None in keywords else "32-true")
         elif name == "torch.compile":
             said["compile_mode"] = text_literal(keywords.get("mode")) or "default"
@@ -129,7 +129,7 @@ def text_literal(node):
 
 
 def own_tags(text):
-    """The changes a lesson's comments tag with its number, each once, and not a bare "[17] new"."""
+    """The changes its comments tag with the lesson's own (highest) number, each once, not bare ones like "[17] new"."""
     tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
     if not tags:
         return []
@@ -139,9 +139,9 @@ def own_tags(text):
 
 
 def check_path(flag, path, folder=False, in_place=False):
-    """One line, exit 2, where `path` (a file, or a folder) cannot be written. Tried as the run writes it: its folder by
-    making and removing a file there (a file is written beside, then renamed into place); an existing file written
-    `in_place` (appended to) by its permissions."""
+    """Exits 2 with one line if the run cannot write `path` (a file, or a folder). Tested as the run writes: by creating
+    and deleting a temporary file in its folder, or the nearest existing parent (files are written under a temporary
+    name, then renamed); an existing file appended to `in_place` (--results) by its write permission."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != folder:
         fail(f"{flag} {path} cannot be written: it is a {'file, not a folder' if folder else 'folder'}")
@@ -162,31 +162,31 @@ def check_path(flag, path, folder=False, in_place=False):
 
 
 class Settings(argparse.Namespace):
-    """A run's settings: each flag's value (argparse's), then what parse_args decides from them, declared here."""
+    """A run's settings: each flag's value as argparse parsed it, plus those declared here, which parse_args derives."""
 
     script: str  # the script's file name
     kind: str  # "smoke", "synthetic", "smoke-synthetic", or "" (the talk's run)
-    accelerator: str  # "cuda" or "cpu" ("auto" decided)
+    accelerator: str  # "cuda" or "cpu" ("auto" resolved to one)
     devices: int  # processes per machine
     num_nodes: int  # machines (1 for a lesson of one process, which takes no --num-nodes)
     num_workers: int  # CIFAR-10's loader processes (4 where the lesson takes no --num-workers)
     world_size: int  # processes in all
-    data_parallel: int  # model replicas: the processes over tensor_parallel
-    micro_batches: int  # parts the loader hands out each batch in (12's gradient accumulation); 1 otherwise
-    tensor_parallel: int  # processes that hold one replica between them (10's); 1 otherwise
+    data_parallel: int  # model replicas: world_size // tensor_parallel
+    micro_batches: int  # loader batches each batch is split into (12's gradient accumulation); 1 otherwise
+    tensor_parallel: int  # processes that share one model replica (10's tensor parallelism); 1 otherwise
     steps: int  # the optimizer steps the run trains in all, over every epoch
     whole: bool  # False where --max-steps cut the epochs short
-    batch_note: str  # a smoke run's word on a batch other than the talk's 16, or ""
+    batch_note: str  # a smoke run's note when its global batch is not the talk's 16, or ""
     own: dict  # the lesson's own flags, by their first option string, and their values (defaults too)
     precision_asked: str | None  # what the script's Fabric(...) asks for (None: not a literal)
-    precision: str | None  # decided: precision_asked, or 32-true where it would compute in emulated bfloat16
+    precision: str | None  # the precision that runs: precision_asked, or 32-true where bfloat16 would be emulated
     compile_mode: str | None  # the mode of the script's torch.compile(...), or None where it compiles nothing
-    checkpoint_dir_is_default: bool  # checkpoints/<run>/: the run's own, removed with checkpoints/ where left empty
-    restart: str | None  # why the run continues the one in its folder without --resume (a launcher's), or None
+    checkpoint_dir_is_default: bool  # True: the default checkpoints/<run>/, removed (with checkpoints/) if left empty
+    restart: str | None  # why a launcher's restart continues the folder's run without --resume, or None
 
 
 class LessonGroup:
-    """A group of a lesson's flags, argparse's (its class is private, so this wraps it), its flags the lesson's own."""
+    """Wraps an argparse group (its class is private) so that the flags added to it count as the lesson's own."""
 
     def __init__(self, group, parser):
         self.group = group
@@ -206,13 +206,13 @@ class LessonGroup:
 
 
 class LessonParser(Parser):
-    """The shared flags (docs/flags-records-exit-codes.md), then the lesson's, which may set micro_batches or
-    tensor_parallel by dest. `devices`: processes per machine (None: one, no --devices); `check(settings)`: a line."""
+    """The shared flags (docs/flags-records-exit-codes.md); a lesson's flag may use dest micro_batches, tensor_parallel.
+    `devices`: default processes per machine (None: 1, no --devices); `check(settings)`: returns an error or None."""
 
     def __init__(self, epochs, devices=None, batch_size=16, num_workers_flag=True, train_images=None, check=None):
         self.own_flags: list = []  # the lesson's flags, as add_argument returns them
-        self.lessons_turn = False  # True once argparse and this added the shared flags: a flag then is the lesson's
-        # the description's lines as written; allow_abbrev=False: a flag only whole, as the commands a run prints are
+        self.lessons_turn = False  # True once the shared flags are added: a flag added later is the lesson's
+        # --help keeps the description's line breaks; allow_abbrev=False: flags only in full, as printed commands are
         super().__init__(formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
         self.shape = dict(epochs=epochs, devices=devices, batch_size=batch_size)
         self.shape["smoke_epochs"] = SMOKE_EPOCHS.get(epochs, 2)
@@ -227,7 +227,7 @@ class LessonParser(Parser):
         add("--max-steps", **number, help=steps)
         add("--epochs", **number, help=f"default {epochs} (--synthetic: 1, --smoke: {self.shape['smoke_epochs']})")
         add("--batch-size", **number, help=f"per process (default {batch_size}; --smoke: 16 in all)")
-        if num_workers_flag:  # not where the loader has no workers (09)
+        if num_workers_flag:  # not for 09, whose loader has no worker processes
             add("--num-workers", type=whole_number(0, MOST_WORKERS), metavar="N", help="CIFAR-10 loader processes (4)")
         add("--data-dir", metavar="DIR", help="where CIFAR-10 is, or goes (default data)")
         add("--no-download", **switch, default=None, help="fail instead of downloading CIFAR-10")  # None: not given
@@ -250,7 +250,7 @@ class LessonParser(Parser):
         return self.own(action) if self.lessons_turn else action
 
     def own(self, action):
-        """A lesson's flag, counted as its own; one whose dest is a setting the run derives is refused."""
+        """Counts `action` as the lesson's own flag; refuses it if its dest is a setting the run derives (Settings)."""
         if action.dest in Settings.__annotations__ and action.dest not in ("micro_batches", "tensor_parallel"):
             flag = "/".join(action.option_strings) or action.dest
             self.error(f"{flag}: its dest {action.dest!r} is a setting the run derives (Settings); give it another")
@@ -273,8 +273,8 @@ class LessonParser(Parser):
         return self.settle(super().parse_args(args, namespace or Settings()))
 
     def settle(self, given):
-        """`given` (argparse's values) made the run's settings, refused in this order: flags that do not go together,
-        processes and sizes, the lesson's check=, the machine, places, a prompt, the launch, the checkpoint folder."""
+        """Turns `given` (argparse's values) into the run's Settings; exits 2 on, in order: conflicting flags, processes
+        and sizes, the lesson's check=, the machine, unwritable paths, a prompt, the launch, the checkpoint folder."""
         kind = "-".join(k for k in ("smoke", "synthetic") if getattr(given, k))
         # CIFAR-10's flags have no default (None: not given; --num-workers' 4 is set below), so 0 counts as given
         data_flags = " and ".join(f"--{k.replace('_', '-')}" for k in DATA_FLAGS if getattr(given, k, None) is not None)
@@ -284,7 +284,7 @@ class LessonParser(Parser):
             self.error("--vit: a smoke run trains its own small ViT; drop it")
         places, default_devices, machine_refusal = place_processes(given, self)
         sizes, size_defaults = settle_sizes(given, self, kind, places)
-        vars(given).update(places, **sizes)  # their Settings: accelerator, devices ... data_parallel; epochs ... steps
+        vars(given).update(places, **sizes)  # adds derived Settings: accelerator ... data_parallel; epochs ... steps
         defaults = {"seed": self.get_default("seed"), "vit": "vit_b_16", "world_size": default_devices, **size_defaults}
         given.vit = given.vit or defaults["vit"]
         given.kind = kind
@@ -294,7 +294,7 @@ class LessonParser(Parser):
         name = run_name(given, kind, defaults, own)
         said = read_script(sys.argv[0])
         given.precision_asked = said["precision"]
-        # a machine refused below (after check=, a flag's own error first) is not asked whether it computes bfloat16
+        # a machine refused below (after check=, so flag errors come first) is not probed for bfloat16
         given.precision = said["precision"]
         if not machine_refusal:
             given.precision = precision_that_runs(said["precision"], given.accelerator)
@@ -306,9 +306,9 @@ class LessonParser(Parser):
         given.num_workers = 4 if getattr(given, "num_workers", None) is None else given.num_workers  # --help's 4
         if self.check and (wrong := self.check(given)):
             self.error(wrong)
-        if machine_refusal:  # after the flags' own refusals: a flag wrong whatever the machine is said first
+        if machine_refusal:  # only now: a flag error, which no machine fixes, is reported first
             fail(machine_refusal)
-        check_path("--results", given.results, in_place=True)  # each place the run writes, before any work
+        check_path("--results", given.results, in_place=True)  # every place the run writes, tested before any work
         check_path("--save-model", given.save_model)
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
@@ -320,13 +320,13 @@ class LessonParser(Parser):
         given.restart = read_the_checkpoint_folder(given)
         return given
 
-    def format_help(self):  # the script's own words first: its tagged lines, its docstring (read_script)
+    def format_help(self):  # --help opens with the script's tagged changes and docstring (read_script)
         self.description = read_script(sys.argv[0])["description"]
         return super().format_help()
 
 
 def own_settings(actions, given):
-    """The lesson's own flags by their first option string: (value, default) as JSON values (a text default typed)."""
+    """The lesson's flags by first option string: (value, default) as JSON values (a text default put through type)."""
     own = {}
     for action in actions:
         if action.dest == argparse.SUPPRESS:
@@ -339,7 +339,7 @@ def own_settings(actions, given):
 
 
 def run_name(given, kind, defaults, own):
-    """The run's name (its folder's, its model file's): the script, its kind, each setting not its default."""
+    """The run's name (for its checkpoint folder, model file): the script, its kind, each setting not at its default."""
     parts = [Path(sys.argv[0]).stem, kind]
     for key, spelling in NAMED_SETTINGS.items():
         if getattr(given, key) != defaults[key]:
@@ -349,8 +349,8 @@ def run_name(given, kind, defaults, own):
 
 
 def name_part(flag, value):
-    """A changed setting in a run's name: a switch by the flag that sets it (--no-ema-eval for BooleanOptionalAction's
-    --ema-eval turned off), a number after its flag (max-norm0.5), a word after a dash (scheduler-none)."""
+    """How a changed setting appears in a run's name: a switch as its flag (no-ema-eval for BooleanOptionalAction's
+    --ema-eval turned off), a number right after its flag (max-norm0.5), a word after a dash (scheduler-none)."""
     if isinstance(value, bool):
         return flag.lstrip("-") if value or flag.startswith("--no-") else "no-" + flag.lstrip("-")
     text = spoken(value).replace("/", "_")  # a path's value names a file, not folders
@@ -358,8 +358,8 @@ def name_part(flag, value):
 
 
 def spoken(value, flag=""):
-    """A setting's value as a line or a name says it: a switch "on" or "off" (--no-bias on: given, its value False),
-    None "unset", a list by commas."""
+    """A setting's value as messages and run names show it: a switch "on" or "off" (--no-bias "on": given, so its value
+    is False), None as "unset", a list joined by commas."""
     if isinstance(value, bool):
         given = not value if flag.startswith("--no-") else value
         return "on" if given else "off"
@@ -369,12 +369,12 @@ def spoken(value, flag=""):
 
 
 def place_processes(given, parser):
-    """(where the processes run, how many, in how many replicas; the default count, which the run's name is against; the
-    machine's refusal, said after the lesson's own, or None). Refuses an impossible CPU count, tensor-parallel size."""
+    """Returns (the accelerator and process counts; the default count, which the run's name is compared with; the
+    machine's error, reported after the flags' own, or None). Exits 2: too many CPU processes, a bad tensor_parallel."""
     devices = parser.shape["devices"]
     on_the_cpu = given.accelerator == "cpu" or (given.smoke and given.accelerator == "auto")
     gpus, torch_says = (0, None) if on_the_cpu else cuda_gpus()
-    refusal = unusable_gpu_line(torch_says) if torch_says else None  # the first of three: torch's, no GPU, too few
+    refusal = unusable_gpu_line(torch_says) if torch_says else None  # first of three: torch's error, no GPU, too few
     accelerator = given.accelerator
     if accelerator == "auto":  # the GPU if there is one; --smoke on the CPU, as its help says
         accelerator = "cuda" if gpus else "cpu"  # (--smoke: none counted)
@@ -403,11 +403,11 @@ def place_processes(given, parser):
 
 
 def fewer_gpus_line(given, parser, count, gpus):
-    """The line where CUDA gives torch fewer GPUs than the run asks for, with the command that runs on those."""
+    """The error when CUDA gives torch fewer GPUs than the run asks for, with a command that runs on those it has."""
     asked = f"--devices {count}" if parser.shape["devices"] else "--accelerator cuda"
     if not gpus:
         return no_gpu_line(f"Asked for {count} GPU(s) per machine ({asked}) but this machine has 0.")
-    # as many GPUs as the tensor-parallel group divides; fewer than one group: all of them as one, by the lesson's flag
+    # suggest whole tensor-parallel groups; with fewer GPUs than one group, all as one group (via the lesson's flag)
     group = given.tensor_parallel
     group_flag = parser.flag("tensor_parallel", None)
     regroup = gpus < group and group_flag
@@ -435,8 +435,8 @@ def without(flags, *dropped):
 
 
 def settle_sizes(given, parser, kind, places):
-    """(the epochs, batch, steps and micro-batches, checked against each other and the data, and a smoke run's word on
-    its batch; the defaults the run's name is against)."""
+    """Returns (the epochs, batch, steps and a smoke run's batch note, checked against each other, the micro-batches and
+    the data; the defaults that the run's name is compared with)."""
     micro = given.micro_batches
     replicas = places["data_parallel"]
     default_epochs = parser.shape["smoke_epochs"] if given.smoke else parser.shape["epochs"]
@@ -461,7 +461,7 @@ def settle_sizes(given, parser, kind, places):
         none = f"the {images:,} training images of a {kind or 'full'} run make no batch of {batch} for each of"
         largest = f"{replicas} data-parallel process(es); the largest that works is {images // replicas}"
         parser.error(f"--batch-size {batch}: {none} {largest}")
-    # each replica's share padded up (Fabric's distributed sampler), in batches (the loader drops a last part)
+    # batches per replica: the distributed sampler pads each share up; drop_last drops a partial batch
     per_epoch = max_steps if images is None else (images + replicas - 1) // replicas // batch
     per_epoch = min(per_epoch, max_steps or per_epoch)  # --max-steps cuts it short
     sizes = dict(epochs=epochs, batch_size=batch, max_steps=max_steps, steps=per_epoch * epochs)
@@ -471,18 +471,18 @@ def settle_sizes(given, parser, kind, places):
 
 
 def check_launch(given, takes_devices):
-    """One line, exit 2, where the processes started are not the flags' run or cannot start here; the first says why."""
-    if takes_devices and (hasattr(sys, "ps1") or sys.flags.interactive):  # at a prompt, as Lightning tells one
+    """Exits 2 if the processes started do not match the flags or cannot start here; only the first process says why."""
+    if takes_devices and (hasattr(sys, "ps1") or sys.flags.interactive):  # at a prompt, tested as Lightning does
         launcher = "Lightning's subprocess launcher, which cannot run at a prompt"
         fail(f"this lesson's processes are started by {launcher}: run it from a shell: {invoked(*sys.argv[1:])}")
     env = os.environ
     problem = None
     asked = f"--devices {given.devices} --num-nodes {given.num_nodes}{'' if takes_devices else ' (one process)'}"
     job = env.get("SLURM_JOB_NAME")
-    # Fabric takes LT_ACCELERATOR, LT_PRECISION ... over its arguments; processes Lightning starts inherit set_up's
+    # Fabric lets LT_ ... variables override its arguments; set_up's LT_PRECISION, which child processes inherit, is ok
     setting_fabric = [f"{name}={value}" for name, value in env.items() if name.startswith("LT_")]
     setting_fabric = [setting for setting in setting_fabric if setting != f"LT_PRECISION={given.precision}"]
-    if "LT_CLI_USED" in env:  # Fabric then refuses its arguments where they differ from `fabric run`'s flags
+    if "LT_CLI_USED" in env:  # Fabric then raises where an argument differs from `fabric run`'s flag
         problem = "`fabric run` sets Fabric's arguments, which this lesson's flags set: run it with python or torchrun"
     elif setting_fabric:
         problem = f"{', '.join(setting_fabric)} in the environment would set Fabric's arguments over this lesson's"
@@ -498,8 +498,7 @@ def check_launch(given, takes_devices):
             problem += " use #SBATCH --ntasks-per-node (one task per GPU) instead"
         elif (per_node, nodes) != (given.devices, given.num_nodes):
             started = f"{per_node} task(s) per machine on {nodes} machine(s)"
-            how = f"--ntasks-per-node {per_node}" if "SLURM_NTASKS_PER_NODE" in env else f"--ntasks {ntasks}"
-            problem = f"SLURM started {started} ({how}, --nodes {nodes}), but the flags ask for"
+            problem = f"SLURM started {started} (--ntasks-per-node {per_node}, --nodes {nodes}), but the flags ask for"
             problem += f" {asked}: make the two agree (one task per GPU)"
     elif "TORCHELASTIC_RUN_ID" in env:
         local, world = int(env.get("LOCAL_WORLD_SIZE", "1")), int(env.get("WORLD_SIZE", "1"))  # torchrun's sizes
@@ -517,8 +516,8 @@ def check_launch(given, takes_devices):
 
 
 def read_the_checkpoint_folder(given):
-    """Why a launcher started this run again, continuing the one in its folder (or None); refused in one line: a run in
-    progress there, an unfinished run without --resume, nothing to resume, a checkpoint of other settings."""
+    """Why a launcher restarted this run to continue its folder's checkpoint, or None. Exits 2 on: a run in progress
+    there, bad latest.json, an unfinished run without --resume, nothing to resume, a checkpoint of other settings."""
     folder = Path(given.checkpoint_dir)
     if lock_holder(folder) is not None:
         fail_once(in_progress(folder))
@@ -543,7 +542,7 @@ def read_the_checkpoint_folder(given):
 
 
 def made_with(given, latest):
-    """Each setting of `given` that the run which wrote `latest` had otherwise: "batch_size 16 (now 8)"."""
+    """Each setting in which `given` differs from the run that wrote `latest`, such as "batch_size 16 (now 8)"."""
     mine = {"script": given.script, "kind": given.kind or "full", **{key: getattr(given, key) for key in SETTINGS}}
     theirs = {"script": latest.get("script"), "kind": latest.get("kind") or "full", **(latest.get("settings") or {})}
     mine |= given.own
@@ -552,7 +551,7 @@ def made_with(given, latest):
 
 
 def nothing_to_resume(given, folder):
-    """--resume's line where the folder holds none: this script's folders that do, with their settings and command."""
+    """--resume's error when the folder has no checkpoint; names this script's folders that do, with resume commands."""
     line = [f"--resume: nothing to resume in {folder} (no {LATEST})."]
     for path in sorted(folder.parent.glob(f"{Path(given.script).stem}*/{LATEST}")):
         latest = read_json(path)
@@ -563,14 +562,14 @@ def nothing_to_resume(given, folder):
 
 
 def lock_holder(folder):
-    """The line of the process that holds the folder's .lock (keeper.FolderLock), or None; nothing is made or held."""
+    """Who holds the folder's .lock (keeper.FolderLock), as its text says, or None; creates no file, keeps no lock."""
     try:
         with open(Path(folder) / ".lock", "rb") as lock:
             try:
-                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken, and let go of as it closes: no holder
-            except BlockingIOError:  # held: its holder's line
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # acquired (released as the file closes): no holder
+            except BlockingIOError:  # held: return the holder's text
                 return lock.read(400).decode(errors="replace").strip()
-    except OSError:  # no .lock; or a file system that takes no locks, where none can hold it
+    except OSError:  # no .lock, or a file system without locks, where nobody can hold it
         return None
     return None
 
@@ -589,7 +588,7 @@ def read_json(path):
 
 
 def restart_reason(latest):
-    """Why this process is the run that wrote `latest`, started again by its launcher (SLURM, torchrun), or None."""
+    """A message if SLURM or torchrun restarted the run that wrote `latest` (same job or run id); else None."""
     env = os.environ
     launch = latest.get("launch") or {}
     slurm = int(env.get("SLURM_RESTART_COUNT", "0"))
@@ -602,14 +601,14 @@ def restart_reason(latest):
 
 
 def start_over(given):
-    """The commands that drop the unfinished run (and checkpoints/ where it is left empty) and start anew."""
+    """The commands that delete the unfinished run's folder (and a default checkpoints/ left empty) and start again."""
     folder = Path(given.checkpoint_dir)
     parent = f" && rmdir {shlex.quote(str(folder.parent))} 2>/dev/null" if given.checkpoint_dir_is_default else ""
     return f"start over with: rm -rf {shlex.quote(str(folder))}{parent}; {invoked(*started_flags())}"
 
 
 def elsewhere(folder):
-    """The command that starts this run in a folder of its own (`folder`-2, or the next free), `folder` left be."""
+    """The command that starts this run in a new folder (`folder`-2, or the next free number), `folder` left alone."""
     number = next(n for n in range(2, 10**6) if not Path(f"{folder}-{n}").exists())
     flags = without(started_flags(), "--checkpoint-dir")  # all but an earlier one
     return f"start this one in a folder of its own: {invoked(*flags, '--checkpoint-dir', f'{folder}-{number}')}"

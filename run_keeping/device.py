@@ -1,7 +1,7 @@
-"""What this machine gives a run, read as a lesson parses its flags: the GPUs torch can use, in torch's own words
-where it cannot use them; the CPU and whether it computes bfloat16; the precision that runs. Diagnosing a machine
-whose GPUs torch does not use (nvidia-smi's own error, MIG, ROCm, the driver's modules, which build carries which
-architectures) is `bash gpu_check.sh`'s, which the lines here name (docs/gpu-setup.md)."""
+"""What this machine offers a run, checked while a lesson parses its flags: the GPUs torch can use (quoting torch's
+own error where it cannot use them), the CPU and whether it computes bfloat16 natively, and so the precision that runs.
+Diagnosing why torch does not use a machine's GPUs (nvidia-smi's error, MIG, ROCm, the driver's modules, which build
+supports which GPU architectures) is left to `bash gpu_check.sh`, which the errors here name (docs/gpu-setup.md)."""
 
 import os
 import warnings
@@ -11,15 +11,14 @@ DIAGNOSIS = "bash gpu_check.sh says what this machine has and which torch build 
 
 
 def cuda_gpus():
-    """(how many GPUs CUDA gives this torch, torch's words where it cannot use them, or None). CUDA is started first,
-    so that MIG instances and CUDA_VISIBLE_DEVICES count as CUDA counts them: until then torch asks the driver (NVML,
-    as Lightning has it do). Starting CUDA raises torch's words where the driver cannot run this build; where the build
-    has no kernels for a GPU, torch warns, naming the GPU."""
+    """(how many GPUs CUDA gives this torch; torch's message where it cannot use them, else None). CUDA is started
+    first, so MIG instances and CUDA_VISIBLE_DEVICES count as CUDA counts them, not as NVML lists the driver's. Starting
+    it raises where the driver cannot run this build; where the build has no kernels for a GPU, torch warns of it."""
     import torch
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        if not torch.cuda.is_available():  # a CPU build, no driver or no GPU the driver lists, or CUDA's own error
+        if not torch.cuda.is_available():  # a CPU build, no driver, no GPU listed by the driver, or a CUDA error
             return 0, " ".join(str(warning.message) for warning in said) or None
         try:
             torch.cuda.init()  # before device_count(): CUDA's count, not NVML's
@@ -28,11 +27,11 @@ def cuda_gpus():
     count = torch.cuda.device_count()
     names = {torch.cuda.get_device_name(index) for index in range(count)}
     about_a_gpu = [str(warning.message) for warning in said if any(name in str(warning.message) for name in names)]
-    return count, about_a_gpu[0] if about_a_gpu else None  # the first: torch says it twice, this the fuller
+    return count, about_a_gpu[0] if about_a_gpu else None  # torch warns twice; the first is the fuller
 
 
 def no_gpu_line(then, diagnose=True):
-    """The line for a machine where torch sees no GPU; `then`: the way on without one; `diagnose`: name gpu_check.sh."""
+    """The error when torch sees no GPU here; `then`: what the user can do instead; `diagnose`: name gpu_check.sh."""
     import torch
 
     why = ""
@@ -45,13 +44,13 @@ def no_gpu_line(then, diagnose=True):
 
 
 def unusable_gpu_line(words, diagnose=True):
-    """The line for GPUs torch cannot use, in `words`, torch's own; `diagnose`: name gpu_check.sh."""
+    """The error for GPUs that torch cannot use, quoting torch's own `words`; `diagnose`: name gpu_check.sh."""
     line = f"torch cannot use this machine's GPU: {words}"
     return f"{line} {DIAGNOSIS}." if diagnose else line
 
 
 def cpu_model_and_flags():
-    """The CPU's model and flags, as Linux's /proc/cpuinfo gives them; elsewhere none."""
+    """The CPU's model name and feature flags from Linux's /proc/cpuinfo; ("", []) where it cannot be read."""
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/cpuinfo").read_text().splitlines() if ":" in line)
     except OSError:
@@ -61,9 +60,9 @@ def cpu_model_and_flags():
 
 
 def native_bf16(device_type):
-    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on (torch says); a CPU with AVX512-BF16 or
-    AMX (or Arm's bf16) unless oneDNN is capped below them (torch says it of a CPU only in private names, so Linux's
-    flags are read). With AVX2 alone a 512x512 product ran 110 times slower than in float32."""
+    """Whether the device computes bfloat16 in hardware: a GPU from Ampere on (torch's check); a CPU with AVX512-BF16
+    or AMX (or Arm's bf16) unless oneDNN is capped below them (torch tells this for a CPU only in private APIs, so
+    /proc/cpuinfo's flags are read). With AVX2 alone, a 512x512 matrix product ran 110 times slower than in float32."""
     if device_type == "cuda":
         import torch
 
@@ -75,16 +74,16 @@ def native_bf16(device_type):
 
 
 def onednn_cap():
-    """(the variable, its value) that caps the instructions oneDNN uses, as oneDNN reads them: ONEDNN_MAX_CPU_ISA, else
-    the older DNNL_MAX_CPU_ISA; (None, None) where neither caps (ALL and DEFAULT: oneDNN's own choice)."""
-    name = "ONEDNN_MAX_CPU_ISA" if "ONEDNN_MAX_CPU_ISA" in os.environ else "DNNL_MAX_CPU_ISA"
+    """(name, value) of the variable that caps the instruction set oneDNN uses, as oneDNN reads it: ONEDNN_MAX_CPU_ISA
+    unless empty, else the older DNNL_MAX_CPU_ISA; (None, None) if empty, ALL or DEFAULT (oneDNN's own choice)."""
+    name = "ONEDNN_MAX_CPU_ISA" if os.environ.get("ONEDNN_MAX_CPU_ISA") else "DNNL_MAX_CPU_ISA"
     cap = os.environ.get(name)
-    return (None, None) if cap is None or cap.upper() in ("ALL", "DEFAULT") else (name, cap)
+    return (None, None) if not cap or cap.upper() in ("ALL", "DEFAULT") else (name, cap)
 
 
 def precision_that_runs(asked, accelerator):
-    """32-true where `asked` computes in bfloat16 (bf16..., or 16-mixed on a CPU, which Lightning runs as bf16-mixed:
-    "AMP with fp16 is not supported on CPU") on a device without native bfloat16; otherwise, or None, as asked."""
+    """32-true if `asked` computes in bfloat16 (bf16..., or 16-mixed on a CPU, which Lightning runs as bf16-mixed:
+    "AMP with fp16 is not supported on CPU") on a device without native bfloat16; otherwise `asked`, even None."""
     in_bf16 = asked and (asked.startswith("bf16") or (accelerator == "cpu" and asked in ("16-mixed", "16")))
     return "32-true" if in_bf16 and not native_bf16(accelerator) else asked
 
@@ -105,8 +104,8 @@ def device_name(accelerator):
 
 
 def fallback_line(args, ran):
-    """What a run says where it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision), or None."""
-    # no fallback decided (or no precision known); or a Fabric made outside the run's block, which set no LT_PRECISION
+    """What a run prints when it runs 32-true for want of native bfloat16 (`ran`: Fabric's precision); or None."""
+    # no fallback was decided (or the precision is unknown), or Fabric was made outside the block, without LT_PRECISION
     if args.precision == args.precision_asked or ran != args.precision:
         return None
     instead = f"running {ran} instead of {args.precision_asked}"

@@ -1,6 +1,6 @@
-"""RunKeeper, `with RunKeeper(args) as keeper:` around a lesson's run (its Fabric(...) inside): the one owner of what
-a run changes in its process (set_up: each change beside its undoing, and what Lightning's launcher changes put back),
-all undone as the block ends, after one line and an exit code. It checkpoints and records too: docs/run-keeping.md"""
+"""RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It alone changes the process
+for the run (set_up registers an undo for each change, and for what Lightning's launcher changes); at the block's end it
+prints how the run ended, undoes it all and sets the exit code. It also checkpoints and records: docs/run-keeping.md"""
 
 import contextlib
 import fcntl
@@ -29,15 +29,15 @@ from run_keeping.device import device_name, fallback_line
 from run_keeping.record import append_record, build, first_line, peak_memory_gb, why_unloadable, write_atomically
 from run_keeping.record import write_whole
 
-PRINT_EVERY = 300  # batches between the loss checks: where the talk's lessons print (09's 100 divides it)
-MEET_WITHIN = 60  # seconds a finished process waits at the end for the others, whose files are written by then
+PRINT_EVERY = 300  # batches between loss checks, where the lessons print (09 prints every 100, which divides it)
+MEET_WITHIN = 60  # seconds a finished process waits at the end for the others (the run's files are already written)
 # A run is busy when its computing thread waited for a core more than this share of its ready time. An idle 2-core
 # AMD EPYC, --smoke --max-steps 20: 04 0.04%, 07 9.0%; beside two programs spinning: 04 49%, 07 50% (2026-12-05).
 BUSY_WAIT = 0.25
-# How a collective reports a process of the run that is gone (gloo, NCCL, the c10d store).
+# Errors with which a collective reports that a process of the run is gone (gloo, NCCL, the c10d store).
 LOST_PEER = r"Connection (?:reset|closed) by peer|Broken pipe|Socket Timeout|Timed out waiting|Connection refused"
 LOST_PEER += r"|NCCL communicator was aborted|remote process exited|ProcessGroupNCCL.*(?:timeout|Watchdog)"
-# How torch.compile says its compiler is missing; any other compile error is said as itself.
+# Errors meaning torch.compile's C/C++ compiler is missing; any other compile error is reported as it is.
 NO_COMPILER = r"Failed to find C compiler|No working C\+\+ compiler|InvalidCxxCompiler|No such file or directory: "
 NO_COMPILER += r"'(?:g\+\+|gcc|cc|c\+\+|clang\+*)'|(?:g\+\+|gcc|cc|clang): (?:command )?not found"
 WHAT_RUNS = {
@@ -48,19 +48,19 @@ WHAT_RUNS = {
 
 
 class RunKeeper:
-    """The lesson calls start() (after fabric.launch()), keep_in_checkpoints() for a scheduler or an average,
+    """Inside the block the lesson calls start() (after fabric.launch()), keep_in_checkpoints() for a scheduler or EMA,
     before_training(), batch_done() after each batch, checkpoint() after each epoch and finish() at the end."""
 
     def __init__(self, args):
         self.args = args
         self.folder = Path(args.checkpoint_dir)
         self.undo = contextlib.ExitStack()  # each change the run makes to the process, undone as the block is left
-        # this process and its run's others (start)
+        # this process's rank and the run's size (set by start)
         self.fabric: Any = None
         self.rank = 0
         self.world_size = 1
-        self.precision_ran = "32-true"  # 00-02's, plain PyTorch; start(fabric) takes what Fabric runs
-        # how the run ends: its signal, one deferred while a step must be whole (set_up, a save, its end), whether done
+        self.precision_ran = "32-true"  # 00-02's (plain PyTorch); start(fabric) reads what Fabric runs
+        # how the run ends: its signal, one held back while a step must finish (set_up, a save, the end), whether done
         self.signum = signal.SIGINT
         self.deferring = False
         self.deferred: signal.Signals | None = None
@@ -91,7 +91,7 @@ class RunKeeper:
         self.new_epoch()
 
     def new_epoch(self):
-        """The epoch in progress, empty: batch_done fills it (its loss sum and first bad batch on the device)."""
+        """Resets the epoch in progress; batch_done fills it (loss sum, first non-finite batch: kept on the device)."""
         self.batch_in_epoch = 0
         self.epoch_loss: torch.Tensor | None = None
         self.first_bad = torch.tensor(-1.0)  # none yet; moved to the loss's device at the epoch's first batch
@@ -101,88 +101,88 @@ class RunKeeper:
 
     def __enter__(self):
         try:
-            with self.signals_deferred():  # a signal while the run's changes are made is raised once they all are
+            with self.signals_deferred():  # a signal during set_up is raised once every change is made
                 self.set_up()
             return self
-        except KeyboardInterrupt as stop:  # a signal during the set-up, as if at the block's first line: __exit__
-            self.__exit__(KeyboardInterrupt, stop, None)  # says its line, undoes all and raises SystemExit(130 or 143)
+        except KeyboardInterrupt as stop:  # a signal during set_up acts as if at the block's start:
+            self.__exit__(KeyboardInterrupt, stop, None)  # __exit__ prints it, undoes all, exits 130 or 143
             raise  # (not reached)
         except BaseException:
-            self.deferring = True  # a signal during the undo is only deferred: the changes are undone whole
+            self.deferring = True  # a signal during the undo waits, so every change is undone
             self.undo.close()
             raise
 
     def set_up(self):
-        """Each change the run makes to this process, beside its undoing (self.undo undoes them in reverse order)."""
-        # Ctrl-C and SIGTERM: from here to the run's end, one line and 130 or 143
+        """Makes each change the run needs in this process, with its undo on self.undo (undone in reverse order)."""
+        # Ctrl-C and SIGTERM: from here to the run's end, they stop it with one line and exit code 130 or 143
         for signum in EXIT_ON_SIGNAL:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored signals stay ignored
                 self.undo.callback(signal.signal, signum, signal.getsignal(signum) or signal.SIG_DFL)  # None: set in C
                 signal.signal(signum, self.on_signal)
-        # The environment as found: what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK ...), and LT_PRECISION,
-        # the precision that runs, which Fabric takes over its argument, as from `fabric run` (fabric/connector.py)
+        # The environment is restored as found, without what Lightning's launcher adds (MASTER_PORT, LOCAL_RANK ...) or
+        # LT_PRECISION, set here: the precision that runs, which Fabric takes over its argument (fabric/connector.py)
         self.undo.callback(put_back_environment, dict(os.environ))
         if self.args.precision:
             os.environ["LT_PRECISION"] = self.args.precision
-        # torch's threads as found: where Lightning's launcher starts the run's processes, it sets each one's to its
+        # torch's thread count is restored: Lightning's launcher (DDP, FSDP, ModelParallel) sets each process's to its
         # share of the cores, unless OMP_NUM_THREADS is set (lightning/fabric/utilities/distributed.py)
         self.undo.callback(torch.set_num_threads, torch.get_num_threads())
-        # The warnings filters as found. Lightning warns wherever srun exists but did not start the process: the opening
-        # line says what started it, and config refuses a launch that does not match the flags
+        # The warnings filters are restored. Muted: Lightning's warning that srun exists but did not start the process
+        # (the opening line says what started it, and config refuses a launch that does not match the flags)
         self.undo.enter_context(warnings.catch_warnings())
         warnings.filterwarnings("ignore", message="The `srun` command is available on your system but is not used")
 
     def on_signal(self, signum, frame):
-        """Ctrl-C or SIGTERM: a KeyboardInterrupt wherever the run is; while it does what must be whole (its set-up, a
-        checkpoint's name, the finished run's files, its end), deferred and acted on once that is done."""
+        """Ctrl-C or SIGTERM raises KeyboardInterrupt wherever the run is, except in a step that must finish (set_up,
+        naming a checkpoint, the finished run's files, the ending): then it is deferred until that step is done."""
         if self.deferring:
             self.deferred = self.deferred or signal.Signals(signum)
         else:
             self.signum = signal.Signals(signum)
-            self.deferring = True  # the run ends: a second signal before __exit__ begins waits, and the first is said
+            self.deferring = True  # the run ends: a second signal before __exit__ is deferred; the first is reported
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
     def signals_deferred(self):
-        """A signal meanwhile is deferred, and raised once the block is done (not where it fails: its error is said)."""
-        deferring = self.deferring  # as found: set again after the block
+        """Defers a signal during the block and raises it after the block (not if the block fails: its error shows)."""
+        deferring = self.deferring  # restored after the block
         self.deferring = True
         try:
             yield
         finally:
             self.deferring = deferring
-        if self.deferred and not deferring:  # (nested in another, the outer one raises it)
+        if self.deferred and not deferring:  # (when nested, the outermost block raises it)
             signum, self.deferred = self.deferred, None
-            self.on_signal(signum, None)  # raised now, as if it came now
+            self.on_signal(signum, None)  # handled as if it arrived now
 
     def __exit__(self, exc_type, error, tb):
-        """How the run ended, in one line and an exit code (a finished run says nothing more); then every change the
-        run made is undone, however it ended. An error nothing explains leaves the block with its traceback."""
-        self.deferring = True  # a signal from here on is deferred, said below
+        """Reports how the run ended in one line and an exit code (a finished run prints nothing more), and undoes every
+        change the run made, however it ended. An error with no known explanation propagates with its traceback."""
+        self.deferring = True  # a signal from here on is deferred and reported below
         distributed = torch.distributed.is_initialized()
         gloo = distributed and torch.distributed.get_backend() == "gloo"
         try:
             line, code = self.ending(error)
-            if code == 0 and distributed:  # every process finished: the collectives in flight end
+            if code == 0 and distributed:  # this process finished: wait for all the others
                 line, code = self.meet_at_the_end()
             self.say_the_end(line, error)
             if code == 0 and distributed:
-                torch.distributed.destroy_process_group()  # as torchtitan: only where every process met at the end
+                torch.distributed.destroy_process_group()  # as torchtitan does; only once every process reached the end
         finally:
-            self.undo.close()  # the folder let go of, then the process as found, Python's handlers last
-        if code == 0 and self.deferred:  # a signal as the finished run wrote its files, or since: its line and code
+            self.undo.close()  # releases the folder, restores the process as found, Python's signal handlers last
+        if code == 0 and self.deferred:  # a signal while the finished run wrote its files, or later: report it
             line, code = self.interrupted_line(self.deferred), EXIT_ON_SIGNAL[self.deferred]
             self.say_the_end(line, error)
         unexplained = line is None and not isinstance(error, (SystemExit, KeyboardInterrupt, type(None)))
         if gloo:
-            end_this_process(code, error if unexplained else None)  # at once: never gloo's teardown (its docstring)
+            end_this_process(code, error if unexplained else None)  # now, skipping gloo's teardown (see its docstring)
         if code and not unexplained:
             raise SystemExit(code) from None
-        return False  # finished, or Python's traceback and exit 1
+        return False  # finished; or the error propagates: traceback, exit 1
 
     def ending(self, error):
-        """(the line, the exit code) of how the block was left: finished (None, 0); interrupted; a known error; a
-        SystemExit, its line said (None, its code), or sys.exit("why") (why, 1); an error only a traceback explains."""
+        """(message, exit code) for how the block was left: finished (None, 0); interrupted; a known error; a SystemExit
+        already reported (None, its code), or sys.exit("why") ("why", 1); an error only a traceback explains."""
         if error is None:
             return None, 0
         if isinstance(error, KeyboardInterrupt):
@@ -194,15 +194,15 @@ class RunKeeper:
         return explain(error, self.args, self.rank, self.world_size, self.last) or (None, 1)
 
     def say_the_end(self, line, error):
-        """Process 0 says how the run ended; another process says an error of its own (not a lost peer's)."""
+        """Process 0 prints how the run ended; any other process prints only an error of its own (not a lost peer's)."""
         own = error is not None and not isinstance(error, KeyboardInterrupt) and not lost_peer(self.world_size, error)
         if line and (self.rank == 0 or own):
             process = f"process {self.rank}: " if self.rank else ""
             print(f"\n{self.args.script}: {process}{line}", file=sys.stderr, flush=True)
 
     def meet_at_the_end(self):
-        """(None, 0) once every process has finished; a signal meanwhile, or no other process within MEET_WITHIN s: its
-        line and code. torch's barrier, started and then polled: a blocking one would run no signal handler."""
+        """Waits for all processes to finish: (None, 0); on a signal meanwhile, or a process missing after MEET_WITHIN
+        seconds, its (message, code). The barrier is async and polled: a blocking one would run no signal handler."""
         met = torch.distributed.barrier(async_op=True)
         assert met is not None, "barrier(async_op=True) returns its work"
         finished = f"the run finished: its record is in {self.args.results}"
@@ -221,18 +221,18 @@ class RunKeeper:
         return None, 0
 
     def say(self, *lines, to=None):
-        """Each line that is not None, on process 0 only (fabric.print prints once per machine)."""
+        """Prints each non-empty line, on process 0 only (fabric.print prints once per machine)."""
         for line in lines:
             if line and self.rank == 0:
                 print(line, file=to or sys.stdout, flush=True)
 
     def agree(self, action, *args):
-        """`action(*args)`; where it failed in any process, all exit with the highest code (that one said why)."""
+        """Runs `action(*args)`; if fail() stops it in a process, all exit with the highest code (that one said why)."""
         code = 0
         result = None
         try:
             result = action(*args)
-        except SystemExit as stop:  # fail()'s line was said
+        except SystemExit as stop:  # fail() already printed its line
             code = int(stop.code or 0)
         failed = int(reduced(self.fabric, code, "max"))
         if failed and not code:
@@ -243,8 +243,8 @@ class RunKeeper:
         return result
 
     def start(self, fabric=None):
-        """In each of the run's processes: process 0 takes the checkpoint folder (where any process cannot go on, none
-        does); each says who started it; process 0 says a precision not the script's, and a launcher's restart."""
+        """Called in each of the run's processes: process 0 locks the checkpoint folder (if any process fails, all
+        stop); each prints who started it; process 0 reports a precision fallback and a launcher's restart."""
         if fabric is not None:
             self.fabric = fabric
             self.rank = fabric.global_rank
@@ -257,37 +257,37 @@ class RunKeeper:
             self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
     def take_the_folder(self):
-        """Process 0 holds the folder's lock while the run runs, and lets go of it as the block is left."""
+        """Process 0 locks the folder for the run (released as the block is left) and removes leftover .tmp files."""
         if self.rank == 0:
-            with self.signals_deferred():  # the lock taken and its letting go set beside it, as one step
+            with self.signals_deferred():  # take the lock and register its release, as one step
                 ours = [self.folder, self.folder.parent] if self.args.checkpoint_dir_is_default else []
                 lock = FolderLock(self.folder, ours)
                 self.undo.callback(lock.release)
             if lock.unguarded:
                 not_refused = "a second run started in it is not refused: give each run its own --checkpoint-dir"
                 self.say(f"{self.folder} is on a file system that takes no locks ({lock.unguarded}): {not_refused}.")
-            for leftover in self.folder.glob("*.tmp"):  # a write cut off
+            for leftover in self.folder.glob("*.tmp"):  # left by an interrupted write
                 remove(leftover)
 
     def keep_in_checkpoints(self, *kept):
-        """What checkpoints keep too, restored in order by --resume: anything with state_dict(), load_state_dict()."""
+        """Adds objects (with state_dict(), load_state_dict()) that checkpoints save and --resume restores, in order."""
         self.kept_too += kept
 
     def before_training(self, model, optimizer, train_loader):
-        """Takes what checkpoints keep, says what runs; with --resume or a restart, loads the last checkpoint and sets
-        the loader's order where it stopped; then starts the keeper's clock (progress() times by it)."""
+        """Stores what checkpoints save and prints what runs; with --resume or a restart, loads the last checkpoint and
+        sets the loader's shuffling to where the run stopped; then starts the training clock (used by progress())."""
         self.model = model
         self.optimizer = optimizer
         self.batches_per_epoch = len(train_loader)
-        self.init = getattr(model, "init", self.init)  # build_vit notes it; Fabric's wrapper hands it on
+        self.init = getattr(model, "init", self.init)  # set by build_vit; Fabric's wrapper passes it through
         if self.args.kind:
             self.say(kind_line(self.args, self.init))
         if self.world_size > 1:
             self.say(parameters_held(self.fabric, model))
         if self.args.resume or self.args.restart:
             rng = self.agree(self.load_last_checkpoint)
-            if self.world_size > 1:  # Fabric's loader sets its distributed sampler's epoch to the times it was iterated
-                for _ in range(self.start_epoch):  # (lightning/fabric/wrappers.py): so, once for each finished epoch
+            if self.world_size > 1:  # Fabric's loader sets its sampler's epoch to the number of times it was iterated
+                for _ in range(self.start_epoch):  # (fabric/wrappers.py), so iterate once per finished epoch
                     next(iter(train_loader), None)
             torch.set_rng_state(rng)  # after those: each pass over the loader draws a seed from it
             self.say(f"Resuming from {self.last}: {self.start_epoch} of {self.args.epochs} epochs done.")
@@ -295,8 +295,10 @@ class RunKeeper:
         self.started = time.perf_counter()  # the loop starts now
 
     def batch_done(self, loss, batch_size):
-        """After each batch, without waiting for the GPU: the epoch's loss sum and its first batch whose loss is not
-        finite, kept on the device, checked every PRINT_EVERY batches and as the epoch ends; then the step timed."""
+        """Call after each batch. Adds to the epoch's loss sum and notes its first non-finite batch, on the device
+        without waiting for it (checked every PRINT_EVERY batches and at the epoch's end); then times the step."""
+        if self.deferring:  # in the loop, only where a signal's KeyboardInterrupt was swallowed (by a finalizer, say)
+            raise KeyboardInterrupt  # so the run stops now, as the signal asked
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)
@@ -305,14 +307,14 @@ class RunKeeper:
         self.epoch_loss = self.epoch_loss + loss  # once not finite, it stays so
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
         self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
-        self.batch_in_epoch += 1  # trained: a Ctrl-C from here counts it
+        self.batch_in_epoch += 1  # trained: an interrupt from here on counts it
         if self.batch_in_epoch % PRINT_EVERY == 1:  # counted from 1: after batch_idx 0, 300, ..., where the lesson
             self.check_loss()  # prints (and waits for the device); the epoch's end checks too
         self.time_the_step(batch_size)
 
     def time_the_step(self, batch_size):
-        """Untimed: each epoch's first optimizer step (the timer starts as it ends) and this session's first
-        WARMUP_STEPS (start-up, compilation); timed from there to the epoch's last batch. The GPU's peak: likewise."""
+        """Times each epoch from the end of its first optimizer step, but not before this session's first WARMUP_STEPS
+        (start-up, compilation) are done, to its last batch. A GPU's peak memory is reset as timing first starts."""
         optimizer_step = self.batch_in_epoch % self.args.micro_batches == 0
         if optimizer_step:
             self.steps_this_session += 1
@@ -327,13 +329,13 @@ class RunKeeper:
                 torch.cuda.reset_peak_memory_stats()
 
     def now(self):
-        """The time, once the device has done what it was given."""
+        """The time, once the GPU (if any) has finished the work queued on it."""
         if self.args.accelerator == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter()
 
     def check_loss(self):
-        """Where the loss is not finite in any process: one line from process 0, and every process exits 1."""
+        """If the loss is not finite in any process, process 0 prints one line and every process exits 1."""
         first = torch.where(self.first_bad >= 0, self.first_bad, float("inf"))  # this process's first bad batch
         bad = reduced(self.fabric, first.clone(), "min")
         if bad < float("inf"):
@@ -344,7 +346,7 @@ class RunKeeper:
             raise SystemExit(1)
 
     def checkpoint(self, val_acc):
-        """After an epoch's validation: its figures, and the checkpoint to continue from."""
+        """Call after an epoch's validation: records the epoch's figures and saves the checkpoint to continue from."""
         self.check_loss()
         assert self.epoch_loss is not None, "checkpoint() comes after an epoch's batch_done()"
         mean_loss = reduced(self.fabric, self.epoch_loss / self.batch_in_epoch, "mean")
@@ -353,21 +355,21 @@ class RunKeeper:
         self.lr.append(self.epoch_lr)
         self.new_epoch()
         if self.args.synthetic and len(self.train_loss) == self.args.epochs:
-            return  # a synthetic run measures: after its last epoch nothing is left to continue
-        if self.steps_this_session >= WARMUP_STEPS:  # a GPU's peak is reset there (time_the_step): not the warm-up's
+            return  # a synthetic run only measures: nothing is left to continue after its last epoch
+        if self.steps_this_session >= WARMUP_STEPS or self.args.accelerator != "cuda":  # a GPU's: once reset (below)
             self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
         began = time.perf_counter()
         self.agree(self.save_checkpoint)
         self.checkpoint_s.append(time.perf_counter() - began)
 
     def timed_totals(self):
-        """All processes' timed images (a tensor-parallel group's once), the slowest's seconds, and those before."""
+        """Timed images of all processes (a tensor-parallel group's once), the slowest's seconds, plus earlier ones."""
         images = float(reduced(self.fabric, self.timed_images, "sum")) * self.args.data_parallel / self.world_size
         seconds = float(reduced(self.fabric, self.timed_seconds, "max"))
         return images + self.earlier["timed_images"], seconds + self.earlier["timed_seconds"]
 
     def progress(self):
-        """What a checkpoint keeps: figures and timing, earlier sessions' too (by the keeper's clock)."""
+        """The figures and timing a checkpoint keeps, earlier sessions' included (timed by the keeper's clock)."""
         images, seconds = self.timed_totals()
         train_time_s = self.earlier["train_time_s"] + time.perf_counter() - self.started - sum(self.checkpoint_s)
         figures = dict(epochs_done=len(self.train_loss), train_loss=self.train_loss, lr=self.lr, val_acc=self.val_acc)
@@ -375,8 +377,8 @@ class RunKeeper:
         return figures | timing
 
     def save_checkpoint(self):
-        """The checkpoint of the epochs done, written beside its name, then renamed into place and named in latest.json
-        as one step that a signal waits for; the one before is removed. A failed write: one line, exit 1."""
+        """Writes the checkpoint of the epochs done under a .tmp name, then renames it and names it in latest.json, as
+        one step a signal waits for; the previous checkpoint is removed. A failed write prints one line and exits 1."""
         done = len(self.train_loss)
         name = f"epoch-{done:04d}.ckpt"
         final, partial = self.folder / name, self.folder / (name + ".tmp")  # its name, and the name it is written as
@@ -391,7 +393,7 @@ class RunKeeper:
             else:  # plain PyTorch (00-02): the state dicts, as Fabric's save writes them
                 plain = {key: value.state_dict() for key, value in state.items() if key not in ("progress", "rng")}
                 write_whole(partial, plain | {"progress": state["progress"], "rng": state["rng"]})
-            with self.signals_deferred():  # the checkpoint named whole, the one before removed, as one step
+            with self.signals_deferred():  # the rename, latest.json and the old one's removal: one step
                 if self.rank == 0:
                     os.replace(partial, final)
                     latest = latest_json(self.args, name, done)
@@ -406,17 +408,17 @@ class RunKeeper:
                 raise  # not the disk: a process of the run is gone (explain says so)
             if self.rank == 0:
                 remove(partial)
-            full = shutil.disk_usage(self.folder).free < 64 * 2**20  # under 64 MiB; torch says it without strerror
+            full = shutil.disk_usage(self.folder).free < 64 * 2**20  # under 64 MiB free; torch's error has no strerror
             why = getattr(err, "strerror", None) or ("No space left on device" if full else first_line(err))
             fail(f"cannot write {partial}: {why}; {kept}.", code=1)
 
     def load_last_checkpoint(self):
-        """latest.json's checkpoint into the model, optimizer and what else it keeps; returns torch's RNG state then."""
+        """Loads latest.json's checkpoint into the model, optimizer and kept objects; returns the saved RNG state."""
         latest = read_json(self.folder / LATEST)
         path = self.folder / str(latest.get("checkpoint"))
         state: dict[str, Any] = {"model": self.model, "optimizer": self.optimizer, "progress": {}, "rng": None}
         state |= {f"kept_{i}": kept for i, kept in enumerate(self.kept_too)}
-        if not path.exists():  # each strategy says it in its own words (FileNotFoundError, FSDP2's ValueError)
+        if not path.exists():  # checked here: strategies report it differently (FileNotFoundError, FSDP2's ValueError)
             fail(f"--resume: cannot load {path} (it is not there); {start_over(self.args)}")
         try:
             if self.fabric:
@@ -443,8 +445,8 @@ class RunKeeper:
         return state["rng"]
 
     def finish(self, train_time_s, test_acc, model):
-        """The talk's closing lines, the model file, the record, then the checkpoints go; a signal waits for them."""
-        self.deferring = True  # kept to the end: a signal waits until the files are written, and __exit__ says it
+        """Prints the closing lines, writes the model file and record, then removes the checkpoints; a signal waits."""
+        self.deferring = True  # never reset: a signal waits until the files are written, and __exit__ reports it
         args = self.args
         test_acc = None if args.synthetic else test_acc
         train_time_s = self.earlier["train_time_s"] + train_time_s - sum(self.checkpoint_s)  # the talk saved none
@@ -465,7 +467,7 @@ class RunKeeper:
         self.finished = True
 
     def write_the_results(self, state, record):
-        """Process 0 writes the model file and record, then drops the checkpoints; a failed write names what is kept."""
+        """Process 0 writes the model file and record, then deletes the checkpoints; a failed write says what's kept."""
         if self.rank:
             return
         args = self.args
@@ -497,7 +499,7 @@ class RunKeeper:
             return f"interrupted ({name}) while starting; no checkpoint, model or record was written."
         trained = len(self.train_loss)
         losing = ""
-        if trained > self.epochs_kept:  # between an epoch's end and its checkpoint's name in latest.json
+        if trained > self.epochs_kept:  # stopped after an epoch ended, before latest.json named its checkpoint
             losing = f"; epoch {trained}, trained but in no checkpoint yet, is not kept"
         elif self.batch_in_epoch:
             losing = f"; the {self.batch_in_epoch} batches of epoch {trained + 1} trained since are not kept"
@@ -508,7 +510,7 @@ class RunKeeper:
 
 
 def latest_json(args, name, epochs_done):
-    """latest.json: the newest checkpoint, what made it, and its launch (which a launcher's restart continues)."""
+    """latest.json's content: the newest checkpoint, what made it, and the launch ids a launcher's restart matches."""
     launch = {key.lower(): os.environ.get(key) for key in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")}
     settings = {key: getattr(args, key) for key in SETTINGS} | args.own  # (a record has SETTINGS as its own columns)
     made = {"script": args.script, "kind": args.kind, "settings": settings, "flags": started_flags()}
@@ -516,17 +518,17 @@ def latest_json(args, name, epochs_done):
 
 
 def put_back_environment(found):
-    """os.environ as `found`: what the run added removed, what it changed or removed set again."""
+    """Restores os.environ to `found`: removes the variables added since, and sets back those changed or removed."""
     for name in set(os.environ) - set(found):
         del os.environ[name]
     os.environ.update(found)
 
 
 def end_this_process(code, error=None):
-    """Ends a process of a run on gloo (the CPU) at once, after `error`'s traceback: never in the interpreter's
-    teardown, where gloo's worker threads may still let go of a collective's tensor, whose Python object then aborts
-    the process ("terminate called without an active exception": pytorch/pytorch#190489). No code after the block,
-    no exit handler runs in it (docs/run-keeping.md)."""
+    """Ends a process of a gloo (CPU) run at once, after printing `error`'s traceback, skipping the interpreter's
+    teardown: there gloo's worker threads may still release a collective's tensor, whose Python object then aborts the
+    process ("terminate called without an active exception": pytorch/pytorch#190489). So no code after the block and
+    no exit handler runs in such a process (docs/run-keeping.md)."""
     if error is not None:
         traceback.print_exception(error)
     for stream in (sys.stdout, sys.stderr):
@@ -536,7 +538,7 @@ def end_this_process(code, error=None):
 
 
 def parameters_held(fabric, model):
-    """A line of the parameters each process holds (the shards FSDP2 and tensor parallelism leave it); a collective."""
+    """A line giving the parameters each process holds (its FSDP2 or tensor-parallel shards); a collective call."""
     held = torch.zeros(fabric.world_size, dtype=torch.float64)
     held[fabric.global_rank] = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
     each = ", ".join(f"{int(n):,}" for n in reduced(fabric, held, "sum"))
@@ -561,10 +563,10 @@ def closing_lines(train_time_s, peak, images_per_s, test_acc, checkpoint_s, wait
 
 
 def explain(error, args, rank, world_size, last_checkpoint):
-    """(one line, exit code) for an error a user can act on (flags-records-exit-codes.md), or None."""
+    """(message, exit code) for an error the user can act on (docs/flags-records-exit-codes.md), or None."""
     reason = first_line(error) or type(error).__name__
     if type(error).__module__.startswith(("torch._dynamo", "torch._inductor")):  # torch.compile's errors
-        while wrapped := getattr(error, "inner_exception", None) or error.__cause__:  # Dynamo wraps the backend's
+        while wrapped := getattr(error, "inner_exception", None) or error.__cause__:  # unwrap to the backend's error
             error = wrapped
         without = "or run the script without its torch.compile line"
         if re.search(NO_COMPILER, f"{type(error).__name__} {error} {reason}", re.I):
@@ -582,7 +584,7 @@ def explain(error, args, rank, world_size, last_checkpoint):
             go_on = f"the last checkpoint is {last_checkpoint}; continue with {resume_command()} once every process can"
         else:
             go_on = "no checkpoint was written yet: start it again"
-        said = lost.group(0)  # what the collective said
+        said = lost.group(0)  # the collective's own words
         how = f"it was lost (a machine died, a process was killed) or it failed (its own output says which; {said})"
         stops = f"Process {rank} of {world_size} stops too; {go_on}"
         return f"error: a process of the run stopped{which}: {how}. {stops}.", 3
@@ -594,8 +596,8 @@ def lost_peer(world_size, error):
 
 
 class FolderLock:
-    """A run's hold on its folder: an flock on its .lock, which names the holder. Released, it removes each folder it
-    made and the run's own (`ours`: checkpoints/<run>/, checkpoints/) where nothing is left in it; any other stays."""
+    """A run's exclusive flock on its folder's .lock file, whose text names the holder. On release it removes each
+    folder it made and the run's own (`ours`: checkpoints/<run>/, checkpoints/) if empty; any other folder stays."""
 
     def __init__(self, folder, ours=()):
         self.path = Path(folder) / ".lock"
@@ -603,12 +605,12 @@ class FolderLock:
         made = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]  # deepest first
         self.made = list(dict.fromkeys([*made, *ours]))
         while True:
-            self.path.parent.mkdir(parents=True, exist_ok=True)  # again where a run letting go of it removed it
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # again, in case a run releasing it just removed it
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
-                if err.errno in NO_LOCKS:  # its file system takes none: the run goes on unguarded (start says so)
+                if err.errno in NO_LOCKS:  # no locks on this file system: the run goes on unguarded (start says so)
                     self.unguarded = err.strerror
                     break
                 os.close(self.fd)
@@ -617,13 +619,13 @@ class FolderLock:
                     fail(in_progress(folder))
                 raise
             if self.path.exists() and os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
-                break  # held; else the .lock opened was removed meanwhile by a run letting go of it: open again
+                break  # held; else a run releasing the .lock removed it meanwhile: open it again
             os.close(self.fd)
         since = f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
         try:
-            os.ftruncate(self.fd, 0)  # exactly this holder's line, however long the last one's was
+            os.ftruncate(self.fd, 0)  # clear the previous holder's text, whatever its length
             os.pwrite(self.fd, f"process {os.getpid()} on {socket.gethostname()}, since {since}".encode(), 0)
-        except BaseException:  # a full disk, say: nothing held
+        except BaseException:  # a full disk, say: release everything
             self.release()
             raise
 
@@ -639,7 +641,7 @@ class FolderLock:
 
 
 def reduced(fabric, value, op):
-    """`value` reduced over the run's processes, as a tensor (Fabric gives back what it is given); alone, `value`."""
+    """`value` reduced by `op` over the run's processes, as a tensor (Fabric returns the type given); alone, `value`."""
     if fabric is None or fabric.world_size == 1:
         return value
     return torch.as_tensor(fabric.all_reduce(torch.as_tensor(value), reduce_op=op))
@@ -661,7 +663,7 @@ def cpu_times():
 
 
 def waiting_share(since):
-    """The share of its ready time since `since` (cpu_times) the thread waited for a core."""
+    """The fraction of its ready time since `since` (a cpu_times() result) that this thread waited for a core."""
     ran_now, waited_now = cpu_times()
     ran, waited = ran_now - since[0], waited_now - since[1]
     return waited / (waited + ran) if waited + ran > 0 else 0.0

@@ -1,6 +1,6 @@
-"""A run's two outputs: the record, the JSON line a finished run appends to --results (reading.Record's
-fields, built here in its order), and the model file, a state dict of torchvision's VisionTransformer.
-A failed write is one line and exit 1; files are whole or absent."""
+"""A run's two outputs: the record, one JSON line that a finished run appends to --results (reading.Record's fields,
+in its order), and the model file, a state dict of torchvision's VisionTransformer. A failed write prints one line and
+exits 1; each file is either whole or absent."""
 
 import fcntl
 import importlib.metadata
@@ -14,12 +14,12 @@ from pathlib import Path
 from run_keeping.config import NO_LOCKS, fail
 from run_keeping.device import device_name
 
-VERSION = 5  # 5: settings by flag, data_parallel, precision_asked (reading.upgrade says what each earlier lacks)
+VERSION = 5  # 5 added settings by flag, data_parallel, precision_asked (reading.upgrade fills in older records)
 
 
 def build(args, ran, compiled, measured):
-    """A finished run's record: its settings (the shared ones as columns, the lesson's own flags in "settings"), the
-    precision that ran, whether torch.compile wrapped the model, what the keeper measured."""
+    """A finished run's record: its settings (shared ones as top-level fields, the lesson's own flags under "settings"),
+    the precision that ran, whether torch.compile wrapped the model, and what the keeper measured."""
     import torch
 
     record = {"record_version": VERSION, "script": args.script, "kind": args.kind or "full"}
@@ -35,7 +35,7 @@ def build(args, ran, compiled, measured):
 
 
 def append_record(path, record, then=""):
-    """One JSON line appended in one write under a lock (the file stays JSONL); a failed write is cut off again."""
+    """Appends `record` as one JSON line, in one write under a lock (the file stays JSONL); a failed write is undone."""
     line = (json.dumps(record) + "\n").encode()
     then = f" {then}" if then else ""
     try:
@@ -47,8 +47,8 @@ def append_record(path, record, then=""):
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # appenders in other processes wait here
-        except OSError as err:  # where the file system takes no locks, the one write below appends the line whole
-            if err.errno not in NO_LOCKS:  # all the same, unless another machine appends at the same moment
+        except OSError as err:  # no locks on this file system: the one O_APPEND write below still adds the line whole
+            if err.errno not in NO_LOCKS:  # (unless another machine appends at the same moment)
                 raise
         size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
@@ -64,7 +64,7 @@ def append_record(path, record, then=""):
 
 
 def write_whole(path, data):
-    """`data` (bytes, or what torch.save writes) to `path`, all of it (os.write), then to the disk (fsync)."""
+    """Writes `data` (bytes, or an object for torch.save) to `path` in full, looping on os.write, then fsyncs it."""
     if not isinstance(data, bytes):
         import torch
 
@@ -82,7 +82,7 @@ def write_whole(path, data):
 
 
 def write_atomically(path, data, then="nothing else was changed"):
-    """`data` to `path`, written beside, then renamed into place; a failed write: one line ending in `then`, exit 1."""
+    """Writes `data` to `path`.tmp, then renames it to `path`; on failure, prints one line ending in `then`, exits 1."""
     path = Path(path)
     partial = path.with_name(path.name + ".tmp")
     try:
@@ -95,8 +95,8 @@ def write_atomically(path, data, then="nothing else was changed"):
 
 
 def why_unloadable(error):
-    """(what torch.load found wrong with a file, without torch's advice of weights_only=False (unsafe); whether the
-    file is whole: one torch.save wrote, whose contents do not fit, not one cut short or of another kind)."""
+    """Returns (what torch.load found wrong with a file, minus torch's unsafe advice to pass weights_only=False; whether
+    the file is whole: written by torch.save, but with contents that do not fit, rather than truncated or foreign)."""
     text = str(error)
     if "Weights only load failed" in text:
         if found := re.search(r"Unsupported global: GLOBAL ([\w.]+)", text):
@@ -115,7 +115,7 @@ def first_line(text, limit=300):
 
 
 def peak_memory_gb(accelerator):
-    """GPU: max_memory_reserved (the talk's figure); CPU: peak resident memory (Linux's VmHWM)."""
+    """Peak memory in GB. GPU: torch.cuda.max_memory_reserved (the talk's figure); CPU: peak resident memory (VmHWM)."""
     if accelerator == "cuda":
         import torch
 

@@ -152,7 +152,7 @@ def test_on_a_gpu_the_keeper_waits_for_it_only_to_time(monkeypatch, parse, resto
         (3.04, "NVIDIA H200", "cuda")
 
 
-def test_a_gpus_peak_counts_from_the_warm_up_where_an_epoch_is_shorter(monkeypatch, parse, restore_signals, tmp_path):
+def test_a_gpus_peak_leaves_out_the_warm_up_where_an_epoch_is_shorter(monkeypatch, parse, restore_signals, tmp_path):
     """Epochs of 2 steps: the first checkpoint comes before the peak's reset (after the warm-up's 3rd step), so the
     peak it would read, the warm-up's, is not the record's."""
     CudaStandIn(monkeypatch)

@@ -242,6 +242,47 @@ def test_a_second_ctrl_c_as_the_runs_end_begins_waits_for_it(first_in, as_found,
     assert not any("Traceback" in line for line in printed) and interpreter() == as_found, printed
 
 
+SWALLOWED = """import os
+import signal
+import time
+
+import torch
+
+from local_utilities import lesson_parser
+from run_keeping.keeper import RunKeeper
+
+
+class Swallows:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the signal's KeyboardInterrupt is raised here, in a finalizer, where Python ignores it
+
+
+if __name__ == "__main__":
+    with RunKeeper(lesson_parser(epochs=3).parse_args()) as keeper:
+        keeper.start()
+        model = torch.nn.Linear(2, 2)
+        keeper.before_training(model, torch.optim.SGD(model.parameters(), lr=0.1), train_loader=[None])
+        Swallows()
+        keeper.batch_done(torch.tensor(1.0), 1)
+        raise SystemExit("not stopped")
+"""
+
+
+def test_a_ctrl_c_whose_interrupt_a_finalizer_swallowed_stops_the_run_at_its_next_batch(as_found, tmp_path, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt is raised in a finalizer, where Python ignores it ("Exception ignored in"),
+    still stops the run, at its next batch (a later signal would only be deferred): one line, 130, as found."""
+    script = tmp_path / "17_your-lesson.py"
+    script.write_text(SWALLOWED)
+    as_found = as_found(script)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
+    code, printed = run_here(script, "--smoke")
+    assert ignored == [KeyboardInterrupt], ignored  # the interrupt was swallowed
+    assert code == 130 and printed[-1].startswith("17_your-lesson.py: interrupted (SIGINT); no checkpoint yet"), printed
+    assert interpreter() == as_found
+
+
 def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path):
     """Ctrl-C as each line of RunKeeper's __enter__ and set_up runs once the run owns Ctrl-C (Python's tracer sends
     it), before the run's first line is printed: one line, 130, no traceback, the interpreter as found, until a run's

@@ -136,8 +136,8 @@ def test_the_readme_job_on_a_real_slurm_continues_after_a_requeue(slurm, smoke_r
     # and is refused for a lesson of two, in the words that started it
     one = subprocess.run(["srun", "-N1", "-n1", "python", "06_fabric-vit-mixed-fsdp.py", "--smoke"], cwd=work, env=env,
                          capture_output=True, text=True, timeout=120)
-    assert one.returncode == 2 and "SLURM started 1 task(s) per machine on 1 machine(s) (--ntasks 1, --nodes 1), but " \
-        "the flags ask for --devices 2 --num-nodes 1" in one.stderr, one.stderr[-2000:]
+    assert one.returncode == 2 and "SLURM started 1 task(s) per machine on 1 machine(s) (--ntasks-per-node 1, --nodes " \
+        "1), but the flags ask for --devices 2 --num-nodes 1" in one.stderr, one.stderr[-2000:]
 
     # srun --pty bash's job name, for several machines: what to do instead
     nodes = subprocess.run(["srun", "-N1", "-n1", "--job-name", "bash", "python", "06_fabric-vit-mixed-fsdp.py",
