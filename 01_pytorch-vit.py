@@ -31,7 +31,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         model.train()
         for batch_idx, (features, targets) in enumerate(train_loader):
-            model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
+            model.train()  # the talk's: undoes model.eval() below; changes nothing in this ViT (dropout 0, no batch norm)
             features, targets = features.to(device), targets.to(device)
 
             ### FORWARD AND BACK PROP
@@ -43,10 +43,10 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
-            keeper.batch_done(loss, len(targets))  # loss guard and timing, for the run record
+            keeper.batch_done(loss, len(targets))  # times the step for the record; a loss not finite, checked where the loop prints and as the epoch ends, stops the run
 
             ### LOGGING
-            if not batch_idx % 300:
+            if not batch_idx % 300:  # the talk's; RunKeeper checks the loss on the same batches (keeper.py's PRINT_EVERY)
                 print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")
 
             model.eval()
@@ -64,7 +64,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process, each change undone as the block ends: the precision Fabric runs, Ctrl-C and SIGTERM, warnings, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
+    with RunKeeper(args) as keeper:  # the one owner of these changes to the process, each undone as the block ends: LT_PRECISION (the precision Fabric runs), Ctrl-C's and SIGTERM's handlers, warnings filters, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
         keeper.start()  # takes the checkpoint folder and says how the run started
         device = torch.device(args.accelerator)
         print(watermark(packages="torch,torchvision,lightning", python=True))
@@ -78,7 +78,7 @@ if __name__ == "__main__":
         #########################################
         ### 2 Initializing the Model
         #########################################
-        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
+        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained (--smoke: its small ViT, pretrained on printed digits)
 
         # replace output layer
         model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)

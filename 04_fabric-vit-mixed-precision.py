@@ -32,7 +32,7 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
         model.train()
         for batch_idx, (features, targets) in enumerate(train_loader):
-            model.train()  # the talk's: undoes model.eval() below; this ViT has no dropout or batch norm
+            model.train()  # the talk's: undoes model.eval() below; changes nothing in this ViT (dropout 0, no batch norm)
 
             ### FORWARD AND BACK PROP
             logits = model(features)
@@ -43,10 +43,10 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 
             ### UPDATE MODEL PARAMETERS
             optimizer.step()
-            keeper.batch_done(loss, len(targets))  # loss guard and timing, for the run record
+            keeper.batch_done(loss, len(targets))  # times the step for the record; a loss not finite, checked where the loop prints and as the epoch ends, stops the run
 
             ### LOGGING
-            if not batch_idx % 300:
+            if not batch_idx % 300:  # the talk's; RunKeeper checks the loss on the same batches (keeper.py's PRINT_EVERY)
                 fabric.print(f"Epoch: {epoch+1:04d}/{num_epochs:04d} | Batch {batch_idx:04d}/{len(train_loader):04d} | Loss: {loss:.4f}")  # [03] instead of print: once per machine
 
             model.eval()
@@ -64,10 +64,10 @@ def train(num_epochs, model, optimizer, train_loader, val_loader, device, keeper
 if __name__ == "__main__":
     parser = lesson_parser(epochs=3)  # [01] instead of 10: finetuning needs fewer epochs
     args = parser.parse_args()
-    with RunKeeper(args) as keeper:  # the one owner of what the run changes in this process, each change undone as the block ends: the precision Fabric runs, Ctrl-C and SIGTERM, warnings, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
+    with RunKeeper(args) as keeper:  # the one owner of these changes to the process, each undone as the block ends: LT_PRECISION (the precision Fabric runs), Ctrl-C's and SIGTERM's handlers, warnings filters, torch's threads (run_keeping/keeper.py's set_up), the checkpoint folder's lock (its start)
         fabric = L.Fabric(  # [03] new: Fabric runs the device, precision and processes
             accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
-            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without bfloat16: run_keeping/device.py's precision_that_runs decides from this literal, which parse_args reads in the script's text; RunKeeper.set_up sets the result as LT_PRECISION, which Fabric uses in place of this argument)
+            precision="bf16-mixed",  # [04] new: mixed precision (32-true on a device without native bfloat16: run_keeping/device.py's precision_that_runs decides from this literal, which parse_args reads in the script's text; RunKeeper.set_up sets the result as LT_PRECISION, which Fabric uses in place of this argument)
         )
         fabric.launch()  # [03] new: starts the other processes, if any
         keeper.start(fabric)  # [03] instead of keeper.start(): in each of Fabric's processes
@@ -85,7 +85,7 @@ if __name__ == "__main__":
         #########################################
         ### 2 Initializing the Model
         #########################################
-        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained
+        model = build_vit(weights="IMAGENET1K_V1", args=args)  # [01] instead of weights=None: ImageNet-pretrained (--smoke: its small ViT, pretrained on printed digits)
 
         # replace output layer
         model.heads.head = torch.nn.Linear(in_features=model.hidden_dim, out_features=10)

@@ -74,7 +74,7 @@ def cifar10_datasets(data_dir, download=True):
         why = getattr(err, "reason", None) or err.strerror or err
         fetch = f"On a machine with internet, download {CIFAR10_URL} and unpack it into {where}"
         fail(f"CIFAR-10 is not in {where} and could not be downloaded ({why}). {fetch}.")
-    num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000  # a tenth held out (of a smaller copy too)
+    num_train = len(train_full) - NUM_VALIDATION * len(train_full) // 50000  # 5,000; a tenth of a test's copy
     return (Subset(train_full, range(num_train)), Subset(train_full, range(num_train, len(train_full))), test)
 
 

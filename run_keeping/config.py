@@ -29,7 +29,7 @@ MOST_WORKERS = 64  # --num-workers' upper limit: more loader processes than any 
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
-CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all present: no write check
+CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all there: only read
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors on a file system without locks (Lustre, NFS)
 # Settings that shape a run: a checkpoint stores them (and the lesson's own flags); --resume refuses to change them
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")

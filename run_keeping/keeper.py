@@ -1,6 +1,6 @@
 """RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It alone changes the process
-for the run (set_up registers an undo for each change, and for what Lightning's launcher changes); at the block's end it
-prints how the run ended, undoes it all and sets the exit code. It also checkpoints and records: docs/run-keeping.md"""
+for the run (set_up registers an undo beside each change, and for what Lightning's launcher changes; start(), the
+lock's); at the block's end it prints how the run ended, undoes it all, sets the exit code. It checkpoints, records."""
 
 import contextlib
 import fcntl
@@ -113,7 +113,7 @@ class RunKeeper:
             raise
 
     def set_up(self):
-        """Makes each change the run needs in this process, with its undo on self.undo (undone in reverse order)."""
+        """Makes each change but the folder's lock (start's), its undo beside it on self.undo (undone in reverse)."""
         # Ctrl-C and SIGTERM: from here to the run's end, they stop it with one line and exit code 130 or 143
         for signum in EXIT_ON_SIGNAL:
             if signal.getsignal(signum) is not signal.SIG_IGN:  # a background job's ignored signals stay ignored
@@ -356,7 +356,7 @@ class RunKeeper:
         self.new_epoch()
         if self.args.synthetic and len(self.train_loss) == self.args.epochs:
             return  # a synthetic run only measures: nothing is left to continue after its last epoch
-        if self.steps_this_session >= WARMUP_STEPS or self.args.accelerator != "cuda":  # a GPU's: once reset (below)
+        if self.steps_this_session >= WARMUP_STEPS or self.args.accelerator != "cuda":  # a GPU's: once reset
             self.peak_gb = max(self.peak_gb, peak_memory_gb(self.args.accelerator))
         began = time.perf_counter()
         self.agree(self.save_checkpoint)
