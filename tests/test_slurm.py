@@ -4,12 +4,13 @@ submitted with sbatch; the same job requeued in the middle of an epoch by `scont
 continuing by itself to the same finished run; a launch whose task counts differ from the
 flags; and `srun --pty bash`'s job name, under which Lightning ignores SLURM."""
 import json
+import os
 import subprocess
 import time
 
 import pytest
 
-from conftest import ROOT, read_records, script_env
+from conftest import ROOT, parse_as, read_records, script_env
 
 TOOL = ROOT / "tools" / "local_slurm.sh"
 # In process 0 of the first run only: after the 80th optimizer step (the second epoch's 6th
@@ -158,3 +159,28 @@ def test_under_srun_pty_bash_a_run_says_lightning_started_it(monkeypatch):
     assert opening_line(fabric, 1, 2) == ("Process 1 of 2, started by Lightning, which started this machine's "
                                           "processes itself, inside SLURM job 41, whose name 'bash' makes "
                                           "Lightning ignore SLURM.")
+
+
+@pytest.mark.parametrize("slurm, refused", [
+    ({"SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, None),  # srun -n 1, sbatch --ntasks=1: one process anywhere
+    ({"SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, "SLURM started 2 tasks with --ntasks, which does not say how many "
+                                                  "run on each machine: use #SBATCH --ntasks-per-node"),
+    ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2"}, "SLURM gave this job 2 tasks, but this process was started "
+                                                          "without srun, so it would wait for the others forever"),
+    ({"SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_STEP_ID": "0"},
+     "SLURM started 2 task(s) per machine on 1 machine(s) (--ntasks-per-node 2, --nodes 1), but the flags ask for "
+     "--devices 1 --num-nodes 1 (one process): make the two agree"),
+])
+def test_slurms_task_counts_against_a_lesson_of_one_process(slurm, refused, monkeypatch, capsys):
+    """What SLURM's variables say it started, read as the flags are (the real SLURM above runs two of these rows):
+    one task runs a lesson of one process; every other count is one line, exit 2, naming what to change."""
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in slurm.items():
+        monkeypatch.setenv(name, value)
+    if refused is None:
+        assert parse_as("04_fabric-vit-mixed-precision.py", "--smoke").world_size == 1
+        return
+    with pytest.raises(SystemExit) as stop:
+        parse_as("04_fabric-vit-mixed-precision.py", "--smoke")
+    assert stop.value.code == 2 and refused in capsys.readouterr().err
