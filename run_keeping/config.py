@@ -29,7 +29,7 @@ MOST_WORKERS = 64  # --num-workers' upper limit: more loader processes than any 
 SLURM_INTERACTIVE_JOBS = ("bash", "interactive")  # SLURM job names for which Lightning ignores SLURM
 EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # exit codes of a run stopped by Ctrl-C (SIGINT) or SIGTERM
 LATEST = "latest.json"  # names a checkpoint folder's newest checkpoint, and the settings it was made with
-CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all there: only read
+CIFAR10_FILES = ("batches.meta", "test_batch", *(f"data_batch_{i}" for i in range(1, 6)))  # all there: never written
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock's errors on a file system without locks (Lustre, NFS)
 # Settings that shape a run: a checkpoint stores them (and the lesson's own flags); --resume refuses to change them
 SETTINGS = ("vit", "batch_size", "seed", "epochs", "max_steps", "world_size", "precision")
@@ -131,9 +131,7 @@ def text_literal(node):
 def own_tags(text):
     """The changes its comments tag with the lesson's own (highest) number, each once, not bare ones like "[17] new"."""
     tags = re.findall(r"#\s*\[(\d+)\]\s*(.+)$", text, re.M)
-    if not tags:
-        return []
-    number = max(tags, key=lambda tag: int(tag[0]))[0]  # the lesson's own: the highest
+    number = max(tags, key=lambda tag: int(tag[0]), default=[None])[0]  # the lesson's own: the highest (or none)
     own = dict.fromkeys(f"[{number}] {change.rstrip('.')}." for n, change in tags if n == number)
     return [tag for tag in own if len(tag.split()) > 2]
 
@@ -313,7 +311,7 @@ class LessonParser(Parser):
         check_path("--checkpoint-dir", given.checkpoint_dir, folder=True)
         if not kind and Path(given.data_dir).exists() and not Path(given.data_dir).is_dir():
             fail(f"--data-dir {given.data_dir} is a file, not a folder: give the folder CIFAR-10 is in (or goes to)")
-        downloaded = all((Path(given.data_dir) / "cifar-10-batches-py" / name).is_file() for name in CIFAR10_FILES)
+        downloaded = all((Path(given.data_dir) / "cifar-10-batches-py" / file).is_file() for file in CIFAR10_FILES)
         if not kind and not given.no_download and not downloaded:
             check_path("--data-dir", given.data_dir, folder=True)
         check_launch(given, takes_devices=self.shape["devices"] is not None)
@@ -536,6 +534,8 @@ def read_the_checkpoint_folder(given):
         precision = (latest.get("settings") or {}).get("precision")
         precision_alone = all(difference.startswith("precision ") for difference in differences)  # no flag sets it
         where = f" on a machine whose device runs {precision}" if precision_alone and precision else ""
+        if where and precision == "32-true":  # the fallback, which no flag asks for, on a CPU with bfloat16 units
+            where += " (on a CPU with bfloat16 units: ONEDNN_MAX_CPU_ISA=AVX2 before the command)"
         as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")
     return restart

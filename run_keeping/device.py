@@ -62,7 +62,7 @@ def cpu_model_and_flags():
 def native_bf16(device_type):
     """Whether the device computes bfloat16 in hardware: a GPU from Ampere on (torch's check); a CPU with AVX512-BF16
     or AMX (or Arm's bf16) unless oneDNN is capped below them (torch tells this for a CPU only in private APIs, so
-    /proc/cpuinfo's flags are read). With AVX2 alone, a 512x512 matrix product ran 110 times slower than in float32."""
+    /proc/cpuinfo's flags are read). On an AVX2-only EPYC a 512x512 matrix product ran 110 times slower than float32."""
     if device_type == "cuda":
         import torch
 

@@ -1,5 +1,5 @@
-"""RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It alone changes the process
-for the run (set_up registers an undo beside each change, and for what Lightning's launcher changes; start(), the
+"""RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It owns what the run changes
+in the process (set_up registers an undo beside each change, and for what Lightning's launcher changes; start(), the
 lock's); at the block's end it prints how the run ended, undoes it all, sets the exit code. It checkpoints, records."""
 
 import contextlib
@@ -134,12 +134,12 @@ class RunKeeper:
 
     def on_signal(self, signum, frame):
         """Ctrl-C or SIGTERM raises KeyboardInterrupt wherever the run is, except in a step that must finish (set_up,
-        naming a checkpoint, the finished run's files, the ending): then it is deferred until that step is done."""
-        if self.deferring:
+        naming a checkpoint, the finished run's files, the ending): then it is deferred until that step is done. So is
+        a second while the first's KeyboardInterrupt is handled on its way to __exit__ (which says the first)."""
+        if self.deferring or isinstance(sys.exc_info()[1], KeyboardInterrupt):
             self.deferred = self.deferred or signal.Signals(signum)
         else:
             self.signum = signal.Signals(signum)
-            self.deferring = True  # the run ends: a second signal before __exit__ is deferred; the first is reported
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -257,7 +257,7 @@ class RunKeeper:
             self.say(f"{self.args.restart}: continuing the run in {self.folder}.")
 
     def take_the_folder(self):
-        """Process 0 locks the folder for the run (released as the block is left) and removes leftover .tmp files."""
+        """Process 0 locks the folder for the run (released as the block is left), removes its own writes' leftovers."""
         if self.rank == 0:
             with self.signals_deferred():  # take the lock and register its release, as one step
                 ours = [self.folder, self.folder.parent] if self.args.checkpoint_dir_is_default else []
@@ -266,7 +266,7 @@ class RunKeeper:
             if lock.unguarded:
                 not_refused = "a second run started in it is not refused: give each run its own --checkpoint-dir"
                 self.say(f"{self.folder} is on a file system that takes no locks ({lock.unguarded}): {not_refused}.")
-            for leftover in self.folder.glob("*.tmp"):  # left by an interrupted write
+            for leftover in [*self.folder.glob("epoch-*.ckpt.tmp"), self.folder / f"{LATEST}.tmp"]:  # a write cut off
                 remove(leftover)
 
     def keep_in_checkpoints(self, *kept):
@@ -297,8 +297,6 @@ class RunKeeper:
     def batch_done(self, loss, batch_size):
         """Call after each batch. Adds to the epoch's loss sum and notes its first non-finite batch, on the device
         without waiting for it (checked every PRINT_EVERY batches and at the epoch's end); then times the step."""
-        if self.deferring:  # in the loop, only where a signal's KeyboardInterrupt was swallowed (by a finalizer, say)
-            raise KeyboardInterrupt  # so the run stops now, as the signal asked
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)

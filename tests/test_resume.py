@@ -583,6 +583,23 @@ def test_resume_from_another_script_kind_or_world_size(parse, tmp_path, capsys, 
     assert {p: open(os.path.join(ck, p), "rb").read() for p in os.listdir(ck)} == before
 
 
+def test_resume_of_a_run_that_fell_back_names_how_this_cpu_runs_it_so(parse, tmp_path, capsys, monkeypatch):
+    """04 run where it fell back to 32-true (oneDNN capped, say), resumed where bf16-mixed runs: refused in one line
+    whose way on is the cap under which a CPU with bfloat16 units runs it as it started (no flag sets a precision)."""
+    import run_keeping.config as config
+
+    ck = str(tmp_path / "ck")
+    write_checkpoint(parse("--checkpoint-dir", ck, script="04_fabric-vit-mixed-precision.py"),
+                     settings={"precision": "32-true"})
+    monkeypatch.setattr(config, "precision_that_runs", lambda asked, accelerator: asked)  # a machine with bfloat16
+    with pytest.raises(SystemExit) as exit_info:
+        parse("--resume", "--checkpoint-dir", ck, script="04_fabric-vit-mixed-precision.py")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "made with precision 32-true (now bf16-mixed); continue it as started on a " \
+        "machine whose device runs 32-true (on a CPU with bfloat16 units: ONEDNN_MAX_CPU_ISA=AVX2 before the " \
+        "command): python " in err and f"--checkpoint-dir {ck} --resume; or start this one in" in err, err
+
+
 def test_resume_from_a_corrupt_checkpoint(parse, tmp_path, capsys):
     ck = tmp_path / "ck"
     write_checkpoint(parse("--checkpoint-dir", str(ck)))
@@ -753,11 +770,16 @@ def test_a_checkpoint_killed_mid_write_never_replaces_the_last_good_one(parse, m
     ended(keeper)
     assert json.loads((keeper.folder / LATEST).read_text())["checkpoint"] == "epoch-0001.ckpt"
     assert not (keeper.folder / "epoch-0002.ckpt").exists() and (keeper.folder / "epoch-0002.ckpt.tmp").exists()
+    theirs = [keeper.folder / "notes.tmp", keeper.folder / "cache.tmp"]  # a user's, in a --checkpoint-dir shared
+    theirs[0].write_text("mine")
+    theirs[1].mkdir()
+    (keeper.folder / f"{LATEST}.tmp").write_text("{")  # as a write of latest.json cut off leaves it
     args = parse("--resume", "--checkpoint-dir", "ck")
     fresh, fresh_optimizer = model_and_optimizer(args)
     resumed = started(args)
     resumed.before_training(fresh, fresh_optimizer, train_loader=[None])
     assert resumed.start_epoch == 1 and not (keeper.folder / "epoch-0002.ckpt.tmp").exists()
+    assert not (keeper.folder / f"{LATEST}.tmp").exists() and all(path.exists() for path in theirs)
     ended(resumed)
 
 
