@@ -517,7 +517,7 @@ def read_the_checkpoint_folder(given):
     """Why a launcher restarted this run to continue its folder's checkpoint, or None. Exits 2 on: a run in progress
     there, bad latest.json, an unfinished run without --resume, nothing to resume, a checkpoint of other settings."""
     folder = Path(given.checkpoint_dir)
-    if lock_holder(folder) is not None:
+    if lock_holder(folder) is not None:  # refused before any work; start() takes the lock itself (FolderLock)
         fail_once(in_progress(folder))
     latest = read_json(folder / LATEST)
     exists = (folder / LATEST).exists()

@@ -451,7 +451,7 @@ class RunKeeper:
         images, seconds = self.timed_totals()
         this_process = [max(self.peak_gb, peak_memory_gb(args.accelerator)), waiting_share(self.cpu_at_start)]
         peak, waited = map(float, reduced(self.fabric, torch.tensor(this_process, dtype=torch.float64), "max"))
-        # every process takes part where the model is sharded; process 0 gets the whole state dict (unprefixed)
+        # all processes take part where the model is sharded; process 0 gets it whole, under the ViT's own keys
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         images_per_s = round(images / seconds, 2) if seconds else None
         self.say(*closing_lines(train_time_s, peak, images_per_s, test_acc, self.checkpoint_s, waited))
