@@ -534,7 +534,7 @@ def read_the_checkpoint_folder(given):
         precision = (latest.get("settings") or {}).get("precision")
         precision_alone = all(difference.startswith("precision ") for difference in differences)  # no flag sets it
         where = f" on a machine whose device runs {precision}" if precision_alone and precision else ""
-        if where and precision == "32-true":  # the fallback, which no flag asks for, on a CPU with bfloat16 units
+        if where and precision == "32-true" and given.accelerator == "cpu":  # the fallback, which no flag asks for
             where += " (on a CPU with bfloat16 units: ONEDNN_MAX_CPU_ISA=AVX2 before the command)"
         as_started = f"continue it as started{where}: {resume_command(latest.get('flags'))}"
         fail_once(f"--resume: {made}; {as_started}; or {elsewhere(folder)}")

@@ -1,6 +1,6 @@
-"""RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It owns what the run changes
-in the process (set_up registers an undo beside each change, and for what Lightning's launcher changes; start(), the
-lock's); at the block's end it prints how the run ended, undoes it all, sets the exit code. It checkpoints, records."""
+"""RunKeeper wraps a lesson's run, Fabric(...) included: `with RunKeeper(args) as keeper:`. It owns what it changes in
+the process for the run (set_up registers an undo beside each change, and for what Lightning's launcher changes;
+start(), the lock's); as the block ends it prints how the run ended, undoes it all, sets the exit code; it records."""
 
 import contextlib
 import fcntl
@@ -134,12 +134,12 @@ class RunKeeper:
 
     def on_signal(self, signum, frame):
         """Ctrl-C or SIGTERM raises KeyboardInterrupt wherever the run is, except in a step that must finish (set_up,
-        naming a checkpoint, the finished run's files, the ending): then it is deferred until that step is done. So is
-        a second while the first's KeyboardInterrupt is handled on its way to __exit__ (which says the first)."""
-        if self.deferring or isinstance(sys.exc_info()[1], KeyboardInterrupt):
+        naming a checkpoint, the finished run's files, the ending): then it is deferred until that step is done."""
+        if self.deferring:
             self.deferred = self.deferred or signal.Signals(signum)
         else:
             self.signum = signal.Signals(signum)
+            self.deferring = True  # from here a second is deferred, even in a finalizer run on the way to __exit__
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -297,6 +297,8 @@ class RunKeeper:
     def batch_done(self, loss, batch_size):
         """Call after each batch. Adds to the epoch's loss sum and notes its first non-finite batch, on the device
         without waiting for it (checked every PRINT_EVERY batches and at the epoch's end); then times the step."""
+        if self.deferring:  # here, only where a signal's KeyboardInterrupt was swallowed (a finalizer's, an except's)
+            raise KeyboardInterrupt  # so the run stops as it asked
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)

@@ -263,14 +263,37 @@ if __name__ == "__main__":
         keeper.before_training(model, torch.optim.SGD(model.parameters(), lr=0.1), train_loader=[None])
         keeper.batch_done(torch.tensor(1.0), 1)
         Swallows()
-        os.kill(os.getpid(), signal.SIGTERM)  # so the user stops it again, in the evaluation, say
+        os.kill(os.getpid(), signal.SIGTERM)  # sent meanwhile (in an evaluation, say): deferred
+        keeper.batch_done(torch.tensor(1.0), 1)  # the next batch
         raise SystemExit("not stopped")
 """
 
 
-def test_after_a_ctrl_c_a_finalizer_swallowed_the_next_signal_stops_the_run(as_found, tmp_path, monkeypatch):
-    """A Ctrl-C whose KeyboardInterrupt is raised in a finalizer, where Python ignores it ("Exception ignored in"), is
-    lost, as in any Python program; the next signal stops the run at once (not deferred): its line, 143, as found."""
+CLOSED_ON_THE_WAY = """import os
+import signal
+
+from local_utilities import lesson_parser
+from run_keeping.keeper import RunKeeper
+
+
+def batches():
+    try:
+        yield 1
+    finally:  # run as the loop lets go of its iterator on the way to __exit__, as a loader's worker shutdown is
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    with RunKeeper(lesson_parser(epochs=3).parse_args()) as keeper:
+        keeper.start()
+        for batch in batches():
+            os.kill(os.getpid(), signal.SIGINT)
+"""
+
+
+def test_a_ctrl_c_a_finalizer_swallowed_stops_the_run_at_its_next_batch(as_found, tmp_path, monkeypatch):
+    """A Ctrl-C whose KeyboardInterrupt is raised in a finalizer, where Python ignores it ("Exception ignored in"),
+    stops the run at its next batch, a signal sent meanwhile deferred: the first's line, 130, as found."""
     script = tmp_path / "17_your-lesson.py"
     script.write_text(SWALLOWED)
     as_found = as_found(script)
@@ -278,7 +301,22 @@ def test_after_a_ctrl_c_a_finalizer_swallowed_the_next_signal_stops_the_run(as_f
     monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
     code, printed = run_here(script, "--smoke")
     assert ignored == [KeyboardInterrupt], ignored  # the interrupt was swallowed
-    assert code == 143 and printed[-1].startswith("17_your-lesson.py: interrupted (SIGTERM); no checkpoint yet"), printed
+    assert code == 130 and printed[-1].startswith("17_your-lesson.py: interrupted (SIGINT); no checkpoint yet"), printed
+    assert interpreter() == as_found
+
+
+def test_a_second_signal_in_a_finalizer_on_the_way_to_the_runs_end_is_deferred(as_found, tmp_path, monkeypatch):
+    """Ctrl-C in the loop, then SIGTERM from a generator's finally that runs as the loop lets go of its iterator on the
+    way to __exit__ (where no exception is being handled, as in a loader's worker shutdown): deferred, not raised
+    there, so nothing is ignored and the first's line is said, 130, as found."""
+    script = tmp_path / "17_your-lesson.py"
+    script.write_text(CLOSED_ON_THE_WAY)
+    as_found = as_found(script)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
+    code, printed = run_here(script, "--smoke")
+    assert not ignored and code == 130, (ignored, code, printed)
+    assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; no checkpoint, model or record was written.\n"
     assert interpreter() == as_found
 
 
