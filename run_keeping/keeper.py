@@ -138,7 +138,7 @@ class RunKeeper:
         if self.deferring:
             self.deferred = self.deferred or signal.Signals(signum)
         else:
-            self.signum = signal.Signals(signum)
+            self.signum = self.deferred = signal.Signals(signum)  # deferred too: said even where it is swallowed
             self.deferring = True  # from here a second is deferred, even in a finalizer run on the way to __exit__
             raise KeyboardInterrupt
 
@@ -297,8 +297,6 @@ class RunKeeper:
     def batch_done(self, loss, batch_size):
         """Call after each batch. Adds to the epoch's loss sum and notes its first non-finite batch, on the device
         without waiting for it (checked every PRINT_EVERY batches and at the epoch's end); then times the step."""
-        if self.deferring:  # here, only where a signal's KeyboardInterrupt was swallowed (a finalizer's, an except's)
-            raise KeyboardInterrupt  # so the run stops as it asked
         loss = loss.detach().float()
         if self.epoch_loss is None:  # the epoch's first batch
             self.epoch_loss = torch.zeros_like(loss)
@@ -308,6 +306,8 @@ class RunKeeper:
         first_bad_now = (self.first_bad < 0) & ~torch.isfinite(self.epoch_loss)
         self.first_bad = torch.where(first_bad_now, self.batch_in_epoch, self.first_bad)
         self.batch_in_epoch += 1  # trained: an interrupt from here on counts it
+        if self.deferring:  # here, only where a signal's KeyboardInterrupt was swallowed (a finalizer's, an except's)
+            raise KeyboardInterrupt  # so the run stops as it asked
         if self.batch_in_epoch % PRINT_EVERY == 1:  # counted from 1: after batch_idx 0, 300, ..., where the lesson
             self.check_loss()  # prints (and waits for the device); the epoch's end checks too
         self.time_the_step(batch_size)

@@ -305,6 +305,22 @@ def test_a_ctrl_c_a_finalizer_swallowed_stops_the_run_at_its_next_batch(as_found
     assert interpreter() == as_found
 
 
+def test_a_ctrl_c_a_finalizer_swallowed_after_the_last_batch_is_said_as_the_run_finishes(as_found, tmp_path, monkeypatch):
+    """Swallowed where no batch follows (the test evaluation, say): the run finishes, writes its files and says it was
+    interrupted, 130, as found; never a silent 0."""
+    script = tmp_path / "17_your-lesson.py"
+    last = "keeper.checkpoint(0.5)\n        Swallows()\n        keeper.finish(1.0, 0.5, model)\n"
+    script.write_text(SWALLOWED.split("keeper.batch_done(torch.tensor(1.0), 1)\n        Swallows()")[0] +
+                      "keeper.batch_done(torch.tensor(1.0), 1)\n        " + last)
+    as_found = as_found(script)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
+    code, printed = run_here(script, "--smoke", "--epochs", "1")
+    assert ignored == [KeyboardInterrupt] and code == 130, (ignored, code, printed)
+    assert printed[-1].startswith("17_your-lesson.py: interrupted (SIGINT) after the run finished: its record is in")
+    assert (tmp_path / "results" / "runs.jsonl").exists() and interpreter() == as_found
+
+
 def test_a_second_signal_in_a_finalizer_on_the_way_to_the_runs_end_is_deferred(as_found, tmp_path, monkeypatch):
     """Ctrl-C in the loop, then SIGTERM from a generator's finally that runs as the loop lets go of its iterator on the
     way to __exit__ (where no exception is being handled, as in a loader's worker shutdown): deferred, not raised
