@@ -262,10 +262,17 @@ if __name__ == "__main__":
         model = torch.nn.Linear(2, 2)
         keeper.before_training(model, torch.optim.SGD(model.parameters(), lr=0.1), train_loader=[None])
         keeper.batch_done(torch.tensor(1.0), 1)
-        Swallows()
-        os.kill(os.getpid(), signal.SIGTERM)  # sent meanwhile (in an evaluation, say): deferred
-        keeper.batch_done(torch.tensor(1.0), 1)  # the next batch
+"""
+# then: swallowed in an evaluation, say, a signal sent meanwhile, and the next batch
+NEXT_BATCH = """        Swallows()
+        os.kill(os.getpid(), signal.SIGTERM)  # deferred
+        keeper.batch_done(torch.tensor(1.0), 1)
         raise SystemExit("not stopped")
+"""
+# or: swallowed where no batch follows (the test evaluation, say)
+NO_BATCH = """        keeper.checkpoint(0.5)
+        Swallows()
+        keeper.finish(1.0, 0.5, model)
 """
 
 
@@ -291,49 +298,44 @@ if __name__ == "__main__":
 """
 
 
+def run_ignoring(text, as_found, folder, monkeypatch, *flags):
+    """The lesson `text` run here with --smoke and `flags`: (its exit code, its lines, the exceptions Python ignored
+    in it, as its unraisable hook was handed them, the interpreter as found before it)."""
+    script = folder / "17_your-lesson.py"
+    script.write_text(text)
+    found = as_found(script)
+    ignored = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
+    code, printed = run_here(script, "--smoke", *flags)
+    return code, printed, ignored, found
+
+
 def test_a_ctrl_c_a_finalizer_swallowed_stops_the_run_at_its_next_batch(as_found, tmp_path, monkeypatch):
     """A Ctrl-C whose KeyboardInterrupt is raised in a finalizer, where Python ignores it ("Exception ignored in"),
     stops the run at its next batch, a signal sent meanwhile deferred: the first's line, 130, as found."""
-    script = tmp_path / "17_your-lesson.py"
-    script.write_text(SWALLOWED)
-    as_found = as_found(script)
-    ignored = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
-    code, printed = run_here(script, "--smoke")
+    code, printed, ignored, found = run_ignoring(SWALLOWED + NEXT_BATCH, as_found, tmp_path, monkeypatch)
     assert ignored == [KeyboardInterrupt], ignored  # the interrupt was swallowed
     assert code == 130 and printed[-1].startswith("17_your-lesson.py: interrupted (SIGINT); no checkpoint yet"), printed
-    assert interpreter() == as_found
+    assert interpreter() == found
 
 
 def test_a_ctrl_c_a_finalizer_swallowed_after_the_last_batch_is_said_as_the_run_finishes(as_found, tmp_path, monkeypatch):
     """Swallowed where no batch follows (the test evaluation, say): the run finishes, writes its files and says it was
     interrupted, 130, as found; never a silent 0."""
-    script = tmp_path / "17_your-lesson.py"
-    last = "keeper.checkpoint(0.5)\n        Swallows()\n        keeper.finish(1.0, 0.5, model)\n"
-    script.write_text(SWALLOWED.split("keeper.batch_done(torch.tensor(1.0), 1)\n        Swallows()")[0] +
-                      "keeper.batch_done(torch.tensor(1.0), 1)\n        " + last)
-    as_found = as_found(script)
-    ignored = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
-    code, printed = run_here(script, "--smoke", "--epochs", "1")
+    code, printed, ignored, found = run_ignoring(SWALLOWED + NO_BATCH, as_found, tmp_path, monkeypatch, "--epochs", "1")
     assert ignored == [KeyboardInterrupt] and code == 130, (ignored, code, printed)
     assert printed[-1].startswith("17_your-lesson.py: interrupted (SIGINT) after the run finished: its record is in")
-    assert (tmp_path / "results" / "runs.jsonl").exists() and interpreter() == as_found
+    assert (tmp_path / "results" / "runs.jsonl").exists() and interpreter() == found
 
 
 def test_a_second_signal_in_a_finalizer_on_the_way_to_the_runs_end_is_deferred(as_found, tmp_path, monkeypatch):
     """Ctrl-C in the loop, then SIGTERM from a generator's finally that runs as the loop lets go of its iterator on the
     way to __exit__ (where no exception is being handled, as in a loader's worker shutdown): deferred, not raised
     there, so nothing is ignored and the first's line is said, 130, as found."""
-    script = tmp_path / "17_your-lesson.py"
-    script.write_text(CLOSED_ON_THE_WAY)
-    as_found = as_found(script)
-    ignored = []
-    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: ignored.append(unraisable.exc_type))
-    code, printed = run_here(script, "--smoke")
+    code, printed, ignored, found = run_ignoring(CLOSED_ON_THE_WAY, as_found, tmp_path, monkeypatch)
     assert not ignored and code == 130, (ignored, code, printed)
     assert printed[-1] == "17_your-lesson.py: interrupted (SIGINT) while starting; no checkpoint, model or record was written.\n"
-    assert interpreter() == as_found
+    assert interpreter() == found
 
 
 def test_ctrl_c_at_every_line_of_the_runs_set_up_is_one_line_and_130(as_found, tmp_path):
